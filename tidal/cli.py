@@ -1,0 +1,145 @@
+"""The `tidal` command line: generate | chat (more subcommands register themselves below)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional
+
+from tidal.errors import TidalError
+
+log = logging.getLogger("tidal")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model directory or Hub id (default: the built-in demo model)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and activation dtype (auto: the checkpoint's)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights from a config.json (benchmarks)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    g.add_argument("--max-running", type=int, default=4, help="concurrent requests in a decode batch")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_from_args(args) -> "SamplingParams":
+    from tidal.types import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def engine_from_args(args):
+    from tidal.engine.engine import Engine
+
+    model = args.model
+    if model is None:
+        from tidal.weights.demo import demo_model_path
+        model = str(demo_model_path())
+    return Engine(model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+                  max_model_len=args.max_model_len, max_running=args.max_running,
+                  progress=sys.stderr.isatty())
+
+
+def stream(engine, prompt_ids: list[int], params, out=sys.stdout) -> str:
+    """Generate for one prompt, writing text to `out` as it arrives; returns the whole text."""
+    rid = engine.add_request(prompt_ids, params)
+    parts = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid and o.new_text:
+                parts.append(o.new_text)
+                out.write(o.new_text)
+                out.flush()
+    return "".join(parts)
+
+
+def cmd_generate(args) -> int:
+    params = sampling_from_args(args)
+    engine = engine_from_args(args)
+    if engine.tokenizer is None:
+        raise TidalError("this model has no tokenizer.json, so it cannot take a text prompt")
+    stream(engine, engine.tokenizer.encode(args.prompt), params)
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    if args.url:
+        from tidal.server.client_chat import chat_with_server
+        return chat_with_server(args)
+    params = sampling_from_args(args)
+    engine = engine_from_args(args)
+    if engine.tokenizer is None:
+        raise TidalError("this model has no tokenizer.json, so it cannot chat")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("tidal chat: type a message, /reset to start over, Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        reply = stream(engine, ids, params)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidal", description="Serve MoE LLMs larger than your GPU, exactly.")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete one prompt")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--prompt", required=True)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat in the terminal")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--url", default=None, help="chat with a running `tidal serve` at this URL instead")
+    p.set_defaults(func=cmd_chat, max_tokens=512)
+
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except TidalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine: requests in, token/text deltas out; one step = schedule, execute, update."""

@@ -1,0 +1,217 @@
+"""The synchronous engine core.
+
+`step()` is three calls (schedule -> execute -> update) plus output processing: appending sampled
+tokens, stop checks, incremental detokenisation. Front ends (LLM, CLI, HTTP server) talk to it in
+token ids and native types only.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from tidal.config import EngineConfig, parse_dtype
+from tidal.errors import ConfigError, RequestError
+from tidal.kvcache.page_pool import KVPool, PageAllocator
+from tidal.experts.policy import POLICIES
+from tidal.memory.budget import cap_allocator
+from tidal.memory.budget import plan as plan_memory
+from tidal.runner.loader import build_experts, dense_bytes, load_model
+from tidal.runner.model_runner import ModelRunner
+from tidal.runner.sampler import make_generator
+from tidal.scheduler.scheduler import Scheduler
+from tidal.tokenizer.detokenizer import IncrementalDetokenizer
+from tidal.tokenizer.stop import StopStringMatcher
+from tidal.types import Request, RequestOutput, RequestStatus, SamplingParams
+from tidal.weights.hf import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {device!r}: use cpu, cuda or auto") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}: use cpu, cuda or auto")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was requested but torch sees no CUDA GPU "
+                          f"(torch {torch.__version__}); use --device cpu or install a CUDA build of torch")
+    return dev
+
+
+class Engine:
+    def __init__(self, model: str | Path, *, device: str = "auto", dtype: str | torch.dtype = "auto",
+                 max_model_len: Optional[int] = None, max_running: int = 4, page_size: int = 16,
+                 kv_cache_tokens: Optional[int] = None, max_batch_tokens: int = 8192,
+                 load_format: str = "auto", seed: int = 0, progress: bool = True,
+                 gpu_memory: Optional[float] = None, expert_cache_gib: Optional[float] = None,
+                 expert_cache_slots: Optional[int] = None, moe_policy: Optional[str] = None,
+                 offload_device: Optional[str] = None, adapt: bool = True, cpu_threads: Optional[int] = None):
+        dev = resolve_device(device)
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ConfigError(f"unknown load format {load_format!r}: use auto, safetensors or dummy")
+        for name, value in (("max_running", max_running), ("page_size", page_size),
+                            ("max_batch_tokens", max_batch_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        path = Path(model) if load_format == "dummy" else resolve_model_path(model)
+        self.loaded = load_model(path, dev, parse_dtype(dtype), load_format, seed, progress)
+        cfg = self.loaded.config
+        self.model_config = cfg
+        self.tokenizer = None
+        if self.loaded.model_dir is not None and (self.loaded.model_dir / "tokenizer.json").exists():
+            from tidal.tokenizer.tokenizer import Tokenizer
+            self.tokenizer = Tokenizer.from_dir(self.loaded.model_dir, self.loaded.generation_config)
+        limit = cfg.max_position_embeddings
+        max_model_len = min(max_model_len or min(limit, 8192), limit)
+        kv_tokens = kv_cache_tokens or max_model_len * max_running
+        kv_tokens = max(kv_tokens, max_model_len)
+        num_pages = -(-kv_tokens // page_size)
+        self.config = EngineConfig(device=str(dev), dtype=self.loaded.pool.dtype, max_model_len=max_model_len,
+                                   max_running=max_running, page_size=page_size, kv_cache_tokens=num_pages * page_size,
+                                   max_batch_tokens=max(max_batch_tokens, 1), load_format=load_format, seed=seed)
+        kv_dtype = self.loaded.pool.dtype
+        kv_bytes = num_pages * page_size * KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        if moe_policy is not None and moe_policy not in POLICIES:
+            raise ConfigError(f"unknown --moe-policy {moe_policy!r}: use one of {', '.join(POLICIES)}")
+        if offload_device is not None and offload_device not in ("cpu", "cuda"):
+            raise ConfigError(f"unknown offload device {offload_device!r}: use cpu or cuda")
+        self.memory_plan = plan_memory(cfg, dev, kv_dtype, dense_bytes(self.loaded.model), kv_bytes,
+                                       max_batch_tokens, max_running, gpu_memory, expert_cache_gib,
+                                       expert_cache_slots)
+        cap_allocator(dev, self.memory_plan.budget_bytes)
+        self.kv_pool = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, dev)
+        build_experts(self.loaded, dev, self.memory_plan, moe_policy, offload_device, adapt, cpu_threads)
+        log.info("memory plan: %s", self.memory_plan.describe())
+        self.scheduler = Scheduler(PageAllocator(num_pages), page_size, max_running, max_batch_tokens)
+        self.runner = ModelRunner(self.loaded.model, self.kv_pool, dev)
+        self.device = dev
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._stops: dict[str, StopStringMatcher] = {}
+        self.eos_token_ids = self._eos_ids()
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_ids)
+        eos = self.loaded.generation_config.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None:
+            ids.update(self.tokenizer.eos_token_ids)
+        return frozenset(i for i in ids if i is not None)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+        if len(prompt_ids) >= self.config.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this engine serves at most "
+                               f"{self.config.max_model_len - 1} prompt tokens (--max-model-len)")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise RequestError(f"duplicate request id {rid!r}")
+        req = Request(rid, prompt_ids, params, eos_token_ids=self.eos_token_ids,
+                      generator=make_generator(params.seed, self.device))
+        self._requests[rid] = req
+        if self.tokenizer is not None:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        self._stops[rid] = StopStringMatcher(params.stop)
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self._forget(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        result = self.runner.execute(batch)
+        self.scheduler.update(batch)
+        outputs = []
+        for s in batch.seqs:
+            req = s.request
+            if req.request_id in result.token_ids and not req.finished:
+                outputs.append(self._append(req, result.token_ids[req.request_id],
+                                            result.logprobs.get(req.request_id)))
+        return outputs
+
+    def _append(self, req: Request, token: int, logprob) -> RequestOutput:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        req.output_ids.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        p = req.params
+        reason = None
+        if not p.ignore_eos and token in req.eos_token_ids:
+            reason, req.stop_reason = "stop", token
+        elif token in p.stop_token_ids:
+            reason, req.stop_reason = "stop", token
+        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            reason = "length"
+        text = ""
+        detok = self._detok.get(req.request_id)
+        stops = self._stops[req.request_id]
+        if detok is not None:
+            # The eos/stop token itself is not part of the text.
+            delta = detok.push(token) if reason != "stop" else ""
+            if reason is not None:
+                delta += detok.flush()
+            text, hit = stops.feed(delta)
+            if hit:
+                reason = "stop"
+                req.stop_reason = next((s for s in p.stop if s in detok.text), None)
+            elif reason is not None:
+                text += stops.flush()
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+        out = RequestOutput(req.request_id, [token], text, req.finished, req.finish_reason,
+                            [logprob] if logprob is not None else [], len(req.prompt_ids),
+                            req.num_cached_prefix, len(req.output_ids))
+        if req.finished:
+            self._forget(req)
+        return out
+
+    def _forget(self, req: Request) -> None:
+        self._requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+        self._stops.pop(req.request_id, None)
+
+    # -- convenience -------------------------------------------------------------------------------
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[tuple[Request, str]]:
+        """Run prompts to completion; returns (request, text) in prompt order."""
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs, texts = [], {}
+        for ids, p in zip(prompts, plist):
+            rid = self.add_request(ids, p)
+            reqs.append(self._requests[rid])
+            texts[rid] = []
+        while self.has_unfinished():
+            for out in self.step():
+                texts[out.request_id].append(out.new_text)
+        return [(r, "".join(texts[r.request_id])) for r in reqs]

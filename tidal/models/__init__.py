@@ -1,0 +1,1 @@
+"""Model architectures: one file per family, built from tidal.layers."""

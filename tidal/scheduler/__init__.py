@@ -1,0 +1,1 @@
+"""Decides what each forward computes: admission, chunked prefill, decode batching, preemption."""

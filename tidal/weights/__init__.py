@@ -1,0 +1,1 @@
+"""Checkpoint formats: Hugging Face safetensors directories, dummy weights, the demo model."""
