@@ -22,6 +22,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights from a config.json (benchmarks)")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     g.add_argument("--max-running", type=int, default=4, help="concurrent requests in a decode batch")
+    g = p.add_argument_group("offload")
+    g.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                   help="cap on everything Tidal allocates on the GPU (emulates a smaller card)")
+    g.add_argument("--expert-cache-gib", type=float, default=None, help="expert cache size (overrides the planner)")
+    g.add_argument("--expert-cache-slots", type=int, default=None, help="expert cache size in experts")
+    g.add_argument("--moe-policy", default=None, choices=["qstar", "transfer", "cpu", "static"],
+                   help="how cache misses are served (default: qstar when experts do not all fit)")
+    g.add_argument("--offload-device", default=None, choices=["cpu", "cuda"],
+                   help="where the expert cache lives (cpu: exercise the offload path without a GPU)")
+    g.add_argument("--no-adapt", action="store_true", help="keep the profiled bandwidths fixed while serving")
+    g.add_argument("--cpu-threads", type=int, default=None, help="CPU expert workers (default: physical cores)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +65,13 @@ def engine_from_args(args):
         model = str(demo_model_path())
     return Engine(model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                   max_model_len=args.max_model_len, max_running=args.max_running,
-                  progress=sys.stderr.isatty())
+                  progress=sys.stderr.isatty(), **offload_kwargs(args))
+
+
+def offload_kwargs(args) -> dict:
+    return dict(gpu_memory=args.gpu_memory, expert_cache_gib=args.expert_cache_gib,
+                expert_cache_slots=args.expert_cache_slots, moe_policy=args.moe_policy,
+                offload_device=args.offload_device, adapt=not args.no_adapt, cpu_threads=args.cpu_threads)
 
 
 def stream(engine, prompt_ids: list[int], params, out=sys.stdout) -> str:
@@ -126,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=None, help="chat with a running `tidal serve` at this URL instead")
     p.set_defaults(func=cmd_chat, max_tokens=512)
 
+    from tidal.commands import bench, profile
+
+    profile.configure(sub.add_parser("profile", help="measure host->GPU and CPU expert bandwidth"))
+    bench.configure(sub.add_parser("bench", help="benchmarks (decode)"))
     return parser
 
 

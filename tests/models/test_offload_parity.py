@@ -29,7 +29,7 @@ def test_every_policy_computes_the_same_function(checkpoint, resident, policy):
     # experts, so no miss ever has to fall back to the CPU; the others: a cache smaller than a layer.
     slots = 8 if policy in ("static", "transfer") else 3
     engine = Engine(str(checkpoint), device="cpu", dtype="float32", progress=False, offload_device="cpu",
-                    moe_policy=policy, expert_cache_slots=slots)
+                    moe_policy=policy, expert_cache_slots=slots, adapt=False)
     runtime = engine.loaded.experts
     assert isinstance(runtime, OffloadExperts) and runtime.lru.num_slots == slots
     for got, want in zip(prefill_logits(engine, PROMPTS), want_logits):
@@ -38,8 +38,8 @@ def test_every_policy_computes_the_same_function(checkpoint, resident, policy):
     assert got_greedy == want_greedy
     st = runtime.stats()
     assert st["hits"] + st["misses"] > 0
-    if policy == "cpu":
-        assert st["fills"] == 0 and st["cpu_executed"] == st["misses"]
+    if policy == "cpu":  # prefill chunks fill the cache; decode never does
+        assert st["cpu_executed"] > 0
     if policy == "transfer":
         assert st["cpu_executed"] == 0 and st["fills"] == st["misses"]
     if policy == "qstar":

@@ -89,6 +89,7 @@ class Engine:
                                        expert_cache_slots)
         cap_allocator(dev, self.memory_plan.budget_bytes)
         self.kv_pool = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, dev)
+        self._kv_bytes, self._offload_device, self._cpu_threads = kv_bytes, offload_device, cpu_threads
         build_experts(self.loaded, dev, self.memory_plan, moe_policy, offload_device, adapt, cpu_threads)
         log.info("memory plan: %s", self.memory_plan.describe())
         self.scheduler = Scheduler(PageAllocator(num_pages), page_size, max_running, max_batch_tokens)
@@ -107,6 +108,24 @@ class Engine:
         if self.tokenizer is not None:
             ids.update(self.tokenizer.eos_token_ids)
         return frozenset(i for i in ids if i is not None)
+
+    def reconfigure_experts(self, gpu_memory: Optional[float] = None, moe_policy: Optional[str] = None,
+                            expert_cache_slots: Optional[int] = None, adapt: bool = True) -> None:
+        """Re-plan the GPU budget and rebuild the expert runtime, keeping the host pool, dense weights
+        and KV cache (benchmarks sweep budgets and policies without reloading the model)."""
+        old = self.loaded.experts
+        self.loaded.experts = None
+        del old
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        cfg = self.model_config
+        self.memory_plan = plan_memory(cfg, self.device, self.config.dtype, dense_bytes(self.loaded.model),
+                                       self._kv_bytes, self.config.max_batch_tokens, self.config.max_running,
+                                       gpu_memory, None, expert_cache_slots)
+        cap_allocator(self.device, self.memory_plan.budget_bytes)
+        build_experts(self.loaded, self.device, self.memory_plan, moe_policy, self._offload_device, adapt,
+                      self._cpu_threads)
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: Optional[SamplingParams] = None,

@@ -27,6 +27,8 @@ from tidal.experts.policy import POLICIES, num_fills
 
 log = logging.getLogger(__name__)
 
+PREFILL_TOKENS = 32   # forwards with at least this many tokens take the prefill path
+
 
 @dataclass
 class OffloadStats:
@@ -114,7 +116,12 @@ class OffloadExperts(ExpertRuntime):
         for e in hits:
             slot_of[e] = self.lru.touch((layer, e))
 
-        q = num_fills(self.policy, len(misses), self.bandwidth.b_p, self.bandwidth.b_h)
+        if hidden.shape[0] >= PREFILL_TOKENS and self.policy != "static":
+            # A prefill chunk reuses each expert for many tokens: the CPU would be compute-bound, so
+            # every policy fills (for `cpu` this is KTransformers' prefill-updated placement).
+            q = len(misses)
+        else:
+            q = num_fills(self.policy, len(misses), self.bandwidth.b_p, self.bandwidth.b_h)
         # A fill may not evict an expert this step uses: the rest of the misses run on the CPU.
         q = min(q, self.lru.num_slots - len(hits))
         # Fill the misses with the most tokens first: they move the most work onto the GPU.

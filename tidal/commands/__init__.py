@@ -1,0 +1,1 @@
+"""Subcommands of the `tidal` CLI beyond generate/chat: profile, bench."""

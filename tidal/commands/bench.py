@@ -1,0 +1,132 @@
+"""`tidal bench decode`: decode speed per GPU budget and expert policy, side by side in one run.
+
+The model is loaded once; each (budget, policy) row re-plans the GPU budget and rebuilds only the
+expert runtime. Each row prefills one prompt of --prompt-len random tokens, then generates --gen
+tokens (eos ignored) and reports decode tok/s next to the bandwidth bound of DESIGN.md:
+  missed bytes per token = miss rate * MoE layers * top_k * S
+  bound time per token   = max(missed bytes / (B_P + B_R), (dense + hit bytes) / HBM bandwidth)
+with B_R the CPU kernel's rate while copies run (measured concurrently).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from tidal.types import SamplingParams
+
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
+
+
+def configure(p) -> None:
+    from tidal.cli import add_model_args
+
+    sub = p.add_subparsers(dest="bench", required=True)
+    d = sub.add_parser("decode", help="decode tok/s per budget and policy")
+    add_model_args(d)
+    d.add_argument("--budgets", default="16,24,32,0", help="comma-separated GiB; 0 = uncapped (all resident)")
+    d.add_argument("--policies", default="qstar,transfer,cpu,static")
+    d.add_argument("--prompt-len", type=int, default=2048)
+    d.add_argument("--gen", type=int, default=256)
+    d.add_argument("--json-out", default=None, help="also write the rows as JSON here")
+    d.set_defaults(func=run_decode)
+
+
+def _hbm_bandwidth() -> float:
+    if not torch.cuda.is_available():
+        return 0.0
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in HBM_BYTES_PER_S.items() if k in name), 1.0e12)
+
+
+def _one_row(engine, prompt: list[int], gen: int) -> dict:
+    from tidal.experts.runtime import OffloadExperts
+
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=gen, ignore_eos=True))
+    t0 = time.perf_counter()
+    first = None
+    runtime = engine.loaded.experts
+    n = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid:
+                n += len(o.new_token_ids)
+                if first is None:
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    first = time.perf_counter()
+                    if isinstance(runtime, OffloadExperts):
+                        runtime.take_step_stats()  # count decode steps only
+    end = time.perf_counter()
+    row = {"ttft_s": first - t0, "decode_tok_s": (n - 1) / (end - first) if n > 1 else 0.0}
+    if isinstance(runtime, OffloadExperts):
+        st = runtime.take_step_stats()
+        row.update(miss_rate=st.misses / max(1, st.hits + st.misses), q_over_m=st.fills / max(1, st.misses),
+                   b_p=runtime.bandwidth.b_p, b_h=runtime.bandwidth.b_h,
+                   b_r=runtime.bandwidth.b_cpu_concurrent or runtime.bandwidth.b_h - runtime.bandwidth.b_p,
+                   cpu_s_per_tok=st.cpu_seconds / max(1, n - 1), gpu_s_per_tok=st.gpu_seconds / max(1, n - 1))
+    else:
+        row.update(miss_rate=0.0, q_over_m=0.0)
+    return row
+
+
+def _bound(engine, row: dict) -> float:
+    cfg = engine.model_config
+    S = engine.loaded.pool.expert_bytes
+    x = len(cfg.moe_layers) * cfg.top_k * S
+    missed = row["miss_rate"] * x
+    from tidal.runner.loader import dense_bytes
+
+    hbm = _hbm_bandwidth() or 1e12
+    gpu_t = (dense_bytes(engine.loaded.model) + (1 - row["miss_rate"]) * x) / hbm
+    miss_t = missed / (row.get("b_p", 1) + row.get("b_r", 0)) if missed else 0.0
+    return 1.0 / max(gpu_t, miss_t)
+
+
+def run_decode(args) -> int:
+    from tidal.cli import engine_from_args
+
+    budgets = [float(b) for b in args.budgets.split(",")]
+    policies = [p for p in args.policies.split(",") if p]
+    args.max_model_len = args.max_model_len or args.prompt_len + args.gen + 16
+    args.max_running = 1
+    engine = engine_from_args(args)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, engine.model_config.vocab_size, (args.prompt_len,), generator=gen).tolist()
+    rows = []
+    for budget in budgets:
+        for policy in (policies if budget else [None]):
+            engine.reconfigure_experts(gpu_memory=budget or None, moe_policy=policy)
+            row = _one_row(engine, prompt, args.gen)
+            row.update(budget_gib=budget or "uncapped", policy=policy or "all-resident",
+                       slots=engine.memory_plan.expert_slots, experts=engine.memory_plan.total_experts)
+            row["bound_tok_s"] = _bound(engine, row)
+            row["achieved_over_bound"] = row["decode_tok_s"] / row["bound_tok_s"]
+            rows.append(row)
+            print(_format_row(row), file=sys.stderr, flush=True)
+    print(_table(rows, engine, args))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+def _format_row(r: dict) -> str:
+    return (f"budget {r['budget_gib']} policy {r['policy']}: {r['decode_tok_s']:.1f} tok/s, "
+            f"miss {100 * r['miss_rate']:.1f}%, q/m {r['q_over_m']:.2f}, TTFT {r['ttft_s']:.2f}s")
+
+
+def _table(rows: list[dict], engine, args) -> str:
+    head = ("| budget GiB | policy | cache slots | decode tok/s | miss rate | q/m | B_P GB/s | B_H GB/s | "
+            "bound tok/s | achieved/bound | TTFT s |")
+    lines = [f"model {engine.model_config.model_type} ({args.model}), prompt {args.prompt_len}, gen {args.gen}, "
+             f"device {engine.device}", "", head, "|" + "---|" * 11]
+    for r in rows:
+        bp = f"{r['b_p'] / 1e9:.1f}" if "b_p" in r else "-"
+        bh = f"{r['b_h'] / 1e9:.1f}" if "b_h" in r else "-"
+        lines.append(f"| {r['budget_gib']} | {r['policy']} | {r['slots']}/{r['experts']} | {r['decode_tok_s']:.1f} | "
+                     f"{100 * r['miss_rate']:.1f}% | {r['q_over_m']:.2f} | {bp} | {bh} | {r['bound_tok_s']:.1f} | "
+                     f"{r['achieved_over_bound']:.2f} | {r['ttft_s']:.2f} |")
+    return "\n".join(lines)
