@@ -22,6 +22,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights from a config.json (benchmarks)")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     g.add_argument("--max-running", type=int, default=4, help="concurrent requests in a decode batch")
+    g.add_argument("--max-batch-tokens", type=int, default=8192, help="tokens per forward (prefill chunk)")
     g = p.add_argument_group("offload")
     g.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                    help="cap on everything Tidal allocates on the GPU (emulates a smaller card)")
@@ -65,7 +66,7 @@ def engine_from_args(args):
         model = str(demo_model_path())
     return Engine(model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                   max_model_len=args.max_model_len, max_running=args.max_running,
-                  progress=sys.stderr.isatty(), **offload_kwargs(args))
+                  max_batch_tokens=args.max_batch_tokens, progress=sys.stderr.isatty(), **offload_kwargs(args))
 
 
 def offload_kwargs(args) -> dict:

@@ -92,9 +92,11 @@ def run_decode(args) -> int:
     policies = [p for p in args.policies.split(",") if p]
     args.max_model_len = args.max_model_len or args.prompt_len + args.gen + 16
     args.max_running = 1
+    args.max_batch_tokens = min(args.max_batch_tokens, args.prompt_len)
     engine = engine_from_args(args)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, engine.model_config.vocab_size, (args.prompt_len,), generator=gen).tolist()
+    _report_routing_diversity(engine, prompt[:512])
     rows = []
     for budget in budgets:
         for policy in (policies if budget else [None]):
@@ -111,6 +113,30 @@ def run_decode(args) -> int:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=2)
     return 0
+
+
+def _report_routing_diversity(engine, prompt: list[int]) -> None:
+    """Dummy weights must route like a trained model: a 512-token batch should touch >= 95% of each
+    layer's experts with no expert above 3x its uniform share. Print what this model does."""
+    runtime = engine.loaded.experts
+    seen: dict[int, torch.Tensor] = {}
+    inner = runtime.forward
+
+    def recording(layer, hidden, ids, weights):
+        seen[layer] = ids.reshape(-1).cpu()
+        return inner(layer, hidden, ids, weights)
+
+    runtime.forward = recording
+    try:
+        engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    finally:
+        del runtime.forward
+    E, K = engine.model_config.num_experts, engine.model_config.top_k
+    touched = [int(torch.unique(v).numel()) for v in seen.values()]
+    share = [float(torch.bincount(v, minlength=E).max()) / (len(prompt) * K / E) for v in seen.values()]
+    print(f"routing of a {len(prompt)}-token batch: experts touched per layer min {min(touched)}/{E} "
+          f"({100 * min(touched) / E:.0f}%), mean {sum(touched) / len(touched):.1f}; busiest expert "
+          f"max {max(share):.2f}x its uniform share", file=sys.stderr, flush=True)
 
 
 def _format_row(r: dict) -> str:

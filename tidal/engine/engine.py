@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -44,6 +44,8 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was requested but torch sees no CUDA GPU "
                           f"(torch {torch.__version__}); use --device cpu or install a CUDA build of torch")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())  # memory APIs need an explicit index
     return dev
 
 
@@ -202,7 +204,7 @@ class Engine:
             text, hit = stops.feed(delta)
             if hit:
                 reason = "stop"
-                req.stop_reason = next((s for s in p.stop if s in detok.text), None)
+                req.stop_reason = stops.matched
             elif reason is not None:
                 text += stops.flush()
         if reason is not None:

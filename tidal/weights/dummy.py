@@ -19,36 +19,49 @@ ROUTER_LOGIT_STD = 2.0
 BRANCH_GAIN = 0.5     # std of a projection's output relative to its input
 
 
-def _fill(t: torch.Tensor, g: torch.Generator, std: float) -> torch.Tensor:
-    # Generate in float32 then cast, in chunks, so memory stays bounded for multi-GB tensors.
-    flat = t.view(-1)
-    step = 1 << 24
-    for i in range(0, flat.numel(), step):
-        n = min(step, flat.numel() - i)
-        flat[i:i + n].copy_(torch.randn(n, generator=g) * std)
-    return t
+_TABLE = 1 << 24   # normal samples drawn once per generator; chunks copy them from random offsets
+
+
+class _Noise:
+    """N(0, 1) values, deterministic for a seed.
+
+    Drawing 60 GB of fresh normals takes minutes; copying windows of one table at random offsets
+    runs at memory speed and is just as useless to the router as a fresh draw.
+    """
+
+    def __init__(self, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(2 * _TABLE, generator=self.g)
+
+    def fill(self, t: torch.Tensor, std: float) -> torch.Tensor:
+        flat = t.view(-1)
+        for i in range(0, flat.numel(), _TABLE):
+            n = min(_TABLE, flat.numel() - i)
+            off = int(torch.randint(_TABLE, (1,), generator=self.g))
+            flat[i:i + n].copy_(self.table[off:off + n]).mul_(std)
+        return t
 
 
 def dummy_tensors(model, pool: HostExpertPool, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (canonical name, tensor) for every weight, experts as transformers-5 stacked banks."""
-    g = torch.Generator().manual_seed(seed)
+    noise = _Noise(seed)
     for name, shape in model.expected_dense_tensors().items():
         t = torch.empty(shape, dtype=torch.float32)
         if name.endswith("norm.weight"):
-            _fill(t, g, 0.1).add_(1.0)
+            noise.fill(t, 0.1).add_(1.0)
         elif name.endswith("embed_tokens.weight"):
-            _fill(t, g, 1.0)
+            noise.fill(t, 1.0)
         elif name.endswith("mlp.gate.weight"):
-            _fill(t, g, ROUTER_LOGIT_STD / math.sqrt(shape[1]))
+            noise.fill(t, ROUTER_LOGIT_STD / math.sqrt(shape[1]))
         elif name.endswith("bias"):
             t.zero_()
         else:
-            _fill(t, g, BRANCH_GAIN / math.sqrt(shape[-1]))
+            noise.fill(t, BRANCH_GAIN / math.sqrt(shape[-1]))
         yield name, t
     H, I = pool.cfg.hidden_size, pool.cfg.moe_intermediate_size
     for layer in pool.layers:
         # Written straight into the pool's banks: no second multi-GB copy per layer.
-        _fill(pool.gate_up[layer], g, BRANCH_GAIN / math.sqrt(H))
-        _fill(pool.down[layer], g, BRANCH_GAIN / math.sqrt(I))
+        noise.fill(pool.gate_up[layer], BRANCH_GAIN / math.sqrt(H))
+        noise.fill(pool.down[layer], BRANCH_GAIN / math.sqrt(I))
         yield f"model.layers.{layer}.mlp.experts.gate_up_proj", pool.gate_up[layer]
         yield f"model.layers.{layer}.mlp.experts.down_proj", pool.down[layer]
