@@ -142,9 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--url", default=None, help="chat with a running `tidal serve` at this URL instead")
+    p.add_argument("--api-key", default=None, help="API key of that server (default: env TIDAL_API_KEY)")
     p.set_defaults(func=cmd_chat, max_tokens=512)
 
     from tidal.commands import bench, profile
+    from tidal.server.serve import add_serve_parser
+
+    add_serve_parser(sub)
 
     profile.configure(sub.add_parser("profile", help="measure host->GPU and CPU expert bandwidth"))
     bench.configure(sub.add_parser("bench", help="benchmarks (decode)"))

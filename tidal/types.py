@@ -157,3 +157,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    stop_reason: Optional[object] = None   # the stop string or token id that ended it, if any

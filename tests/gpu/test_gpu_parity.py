@@ -23,17 +23,25 @@ def test_bf16_greedy_matches_transformers(checkpoint):
                                                dtype=torch.bfloat16).cuda().eval()
     engine = Engine(str(checkpoint), device="cuda", dtype="bfloat16", progress=False)
     results = engine.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
-    same = 0
     for ids, (req, _) in zip(PROMPTS, results):
         with torch.no_grad():
             out = ref.generate(torch.tensor([ids]).cuda(), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                eos_token_id=None, pad_token_id=0)
         want = out[0, len(ids):].tolist()
         common = next((i for i, (a, b) in enumerate(zip(req.output_ids, want)) if a != b), len(want))
-        print(f"{checkpoint.name}: prompt of {len(ids)} tokens: identical for {common}/32 greedy tokens")
-        same += req.output_ids == want
-    # bf16 near-ties may flip a token late in a continuation; most prompts must match fully.
-    assert same >= len(PROMPTS) - 1
+        if common == len(want):
+            print(f"{checkpoint.name}: prompt of {len(ids)} tokens: all 32 greedy tokens identical")
+            continue
+        # A divergence is only acceptable at a near-tie: under the reference's own bf16 logits at
+        # that step, the token Tidal chose must be within bf16 rounding of the reference's choice.
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids + want[:common]]).cuda()).logits[0, -1].float()
+        ours, theirs = req.output_ids[common], want[common]
+        gap = (logits[theirs] - logits[ours]).item()
+        scale = logits.abs().max().item()
+        print(f"{checkpoint.name}: prompt of {len(ids)} tokens: identical for {common}/32 greedy tokens, then "
+              f"a near-tie: reference logit gap {gap:.4f} (max |logit| {scale:.2f})")
+        assert gap <= 2 ** -7 * max(1.0, scale) * 2, "divergence at a token that is not a bf16 near-tie"
 
 
 @pytest.mark.parametrize("policy", ["qstar", "transfer", "cpu", "static"])

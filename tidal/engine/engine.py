@@ -115,9 +115,11 @@ class Engine:
                             expert_cache_slots: Optional[int] = None, adapt: bool = True) -> None:
         """Re-plan the GPU budget and rebuild the expert runtime, keeping the host pool, dense weights
         and KV cache (benchmarks sweep budgets and policies without reloading the model)."""
-        old = self.loaded.experts
+        # Drop every reference to the old runtime (the MoE layers hold one) before freeing its memory.
+        self.loaded.model.set_expert_runtime(None)
         self.loaded.experts = None
-        del old
+        import gc
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
@@ -211,7 +213,7 @@ class Engine:
             self.scheduler.finish(req, reason)
         out = RequestOutput(req.request_id, [token], text, req.finished, req.finish_reason,
                             [logprob] if logprob is not None else [], len(req.prompt_ids),
-                            req.num_cached_prefix, len(req.output_ids))
+                            req.num_cached_prefix, len(req.output_ids), req.stop_reason)
         if req.finished:
             self._forget(req)
         return out
