@@ -1,8 +1,10 @@
 """The built-in demo model: the default `--model` of every command.
 
-A trained demo checkpoint ships inside the package (tidal/demo_model/) when present. Without one,
-a tiny qwen3_moe with deterministic random weights and a byte-level tokenizer is generated into the
-user's cache on first use, so every command works on a fresh machine with no network.
+The trained demo checkpoint ships inside the package (tidal/demo_model/, made by
+tools/train_demo_model.py: a small qwen3_moe trained on Python's standard library). If a build
+leaves it out, a tiny qwen3_moe with deterministic random weights and a byte-level tokenizer is
+generated into the user's cache instead, so every command still works offline; tests also use that
+recipe to make small complete checkpoints.
 """
 from __future__ import annotations
 
