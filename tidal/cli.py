@@ -23,6 +23,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     g.add_argument("--max-running", type=int, default=4, help="concurrent requests in a decode batch")
     g.add_argument("--max-batch-tokens", type=int, default=8192, help="tokens per forward (prefill chunk)")
+    g.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV of earlier requests")
     g = p.add_argument_group("offload")
     g.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                    help="cap on everything Tidal allocates on the GPU (emulates a smaller card)")
@@ -72,7 +73,8 @@ def engine_from_args(args):
 def offload_kwargs(args) -> dict:
     return dict(gpu_memory=args.gpu_memory, expert_cache_gib=args.expert_cache_gib,
                 expert_cache_slots=args.expert_cache_slots, moe_policy=args.moe_policy,
-                offload_device=args.offload_device, adapt=not args.no_adapt, cpu_threads=args.cpu_threads)
+                offload_device=args.offload_device, adapt=not args.no_adapt, cpu_threads=args.cpu_threads,
+                prefix_cache=not args.no_prefix_cache)
 
 
 def stream(engine, prompt_ids: list[int], params, out=sys.stdout) -> str:
@@ -145,13 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="API key of that server (default: env TIDAL_API_KEY)")
     p.set_defaults(func=cmd_chat, max_tokens=512)
 
-    from tidal.commands import bench, profile
+    from tidal.commands import bench, profile, trace
     from tidal.server.serve import add_serve_parser
 
     add_serve_parser(sub)
 
     profile.configure(sub.add_parser("profile", help="measure host->GPU and CPU expert bandwidth"))
     bench.configure(sub.add_parser("bench", help="benchmarks (decode)"))
+    trace.configure(sub.add_parser("trace", help="record routed experts per step and layer"))
     return parser
 
 

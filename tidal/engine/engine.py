@@ -56,7 +56,8 @@ class Engine:
                  load_format: str = "auto", seed: int = 0, progress: bool = True,
                  gpu_memory: Optional[float] = None, expert_cache_gib: Optional[float] = None,
                  expert_cache_slots: Optional[int] = None, moe_policy: Optional[str] = None,
-                 offload_device: Optional[str] = None, adapt: bool = True, cpu_threads: Optional[int] = None):
+                 offload_device: Optional[str] = None, adapt: bool = True, cpu_threads: Optional[int] = None,
+                 prefix_cache: bool = True):
         dev = resolve_device(device)
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"unknown load format {load_format!r}: use auto, safetensors or dummy")
@@ -94,7 +95,8 @@ class Engine:
         self._kv_bytes, self._offload_device, self._cpu_threads = kv_bytes, offload_device, cpu_threads
         build_experts(self.loaded, dev, self.memory_plan, moe_policy, offload_device, adapt, cpu_threads)
         log.info("memory plan: %s", self.memory_plan.describe())
-        self.scheduler = Scheduler(PageAllocator(num_pages), page_size, max_running, max_batch_tokens)
+        self.scheduler = Scheduler(PageAllocator(num_pages), page_size, max_running, max_batch_tokens,
+                                   prefix_cache=prefix_cache)
         self.runner = ModelRunner(self.loaded.model, self.kv_pool, dev)
         self.device = dev
         self._ids = itertools.count()

@@ -42,6 +42,9 @@ class PageAllocator:
             self._refs[p] = 1
         return pages
 
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
     def retain(self, pages: list[int]) -> None:
         for p in pages:
             self._refs[p] += 1

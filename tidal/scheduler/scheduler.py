@@ -12,6 +12,7 @@ from collections import deque
 from typing import Optional
 
 from tidal.kvcache.page_pool import PageAllocator
+from tidal.scheduler.prefix_cache import PrefixCache
 from tidal.types import Request, RequestStatus, ScheduledBatch, ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -19,8 +20,9 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running: int, max_batch_tokens: int,
-                 prefill_chunk: Optional[int] = None):
+                 prefill_chunk: Optional[int] = None, prefix_cache: bool = True):
         self.allocator, self.page_size = allocator, page_size
+        self.prefix_cache = PrefixCache(allocator, page_size) if prefix_cache else None
         self.max_running, self.max_batch_tokens = max_running, max_batch_tokens
         self.prefill_chunk = prefill_chunk or max_batch_tokens
         self.waiting: deque[Request] = deque()
@@ -45,6 +47,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.prefix_cache is not None and req.pages:
+            # Everything computed is reusable by later requests (the next turn of a conversation).
+            self.prefix_cache.insert(req.all_ids[:req.num_computed], req.pages)
         self._free(req)
 
     def has_unfinished(self) -> bool:
@@ -72,10 +77,15 @@ class Scheduler:
                 budget -= self._schedule_chunk(req, remaining, budget, seqs)
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
+            if req.num_computed == 0 and not req.pages and self.prefix_cache is not None:
+                req.pages = self.prefix_cache.match(req.all_ids)
+                req.num_computed = len(req.pages) * self.page_size
+                if not req.output_ids:  # a preempted request recomputes; only count first admission
+                    req.num_cached_prefix = req.num_computed
             remaining = req.num_tokens - req.num_computed
             needed = self._pages_for(min(req.num_computed + min(remaining, budget, self.prefill_chunk),
                                          req.num_tokens))
-            if needed - len(req.pages) > self.allocator.num_free:
+            if not self._can_get(needed - len(req.pages)):
                 break  # wait for pages to free up
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -103,6 +113,8 @@ class Scheduler:
         """Give req pages for num_tokens tokens, preempting later requests if needed. False if req
         itself had to be preempted."""
         need = self._pages_for(num_tokens) - len(req.pages)
+        if need > self.allocator.num_free and self.prefix_cache is not None:
+            self.prefix_cache.evict(need - self.allocator.num_free)
         while need > self.allocator.num_free:
             victim = self.running[-1]
             self._preempt(victim)
@@ -111,6 +123,11 @@ class Scheduler:
         if need > 0:
             req.pages.extend(self.allocator.allocate(need))
         return True
+
+    def _can_get(self, n: int) -> bool:
+        """Whether n pages can be had without preempting anyone (evicting cached prefixes is fine)."""
+        free = self.allocator.num_free
+        return n <= free or (self.prefix_cache is not None and n <= free + self.prefix_cache.evictable())
 
     def _preempt(self, req: Request) -> None:
         log.info("preempting request %s: KV cache full (it will be recomputed)", req.request_id)
