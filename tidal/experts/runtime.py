@@ -136,12 +136,19 @@ class OffloadExperts(ExpertRuntime):
 
         # 2. Fills: admit (LRU victim logic) and copy on the copy stream.
         t_gpu = time.perf_counter()
+        timed = self.adapt and self.on_gpu and bool(fills)
+        if timed:
+            copy_start, copy_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            copy_start.record(self.copy_stream)
         for e in fills:
             slot, _ = self.lru.admit((layer, e))
             self.lru.protected.add((layer, e))
             slot_of[e] = slot
             self._copy_in(layer, e, slot, self.copy_stream)
         st.bytes_copied = len(fills) * self.pool.expert_bytes
+        if timed:
+            copy_end.record(self.copy_stream)
+        copy_seconds = time.perf_counter() - t_gpu  # on the CPU cache device copies are synchronous
         if self.copy_stream is not None and fills:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
@@ -154,15 +161,25 @@ class OffloadExperts(ExpertRuntime):
         # 4. Merge.
         if job is not None:
             job.wait()
-            st.cpu_seconds = time.perf_counter() - t_cpu
+            st.cpu_seconds = self._job_seconds(time.perf_counter() - t_cpu)
             out += cpu_out.to(out.device, out.dtype, non_blocking=True)
         self.lru.protected = set()
         if self.adapt and self.policy == "qstar":
-            self.bandwidth.observe(st.bytes_copied, st.gpu_seconds if fills else 0.0,
+            if timed:
+                copy_seconds = copy_start.elapsed_time(copy_end) / 1e3
+            # Branch rates from the branches' own clocks (copy stream events, the kernel's job
+            # timer), not from wall time that includes waiting for the other branch.
+            self.bandwidth.observe(st.bytes_copied, copy_seconds if fills else 0.0,
                                    len(cpu_experts) * self.pool.expert_bytes, st.cpu_seconds)
         self.total.add(st)
         self.step_stats.add(st)
         return out
+
+    def _job_seconds(self, wall: float) -> float:
+        """The CPU job's own duration (submit -> done) when the kernel reports it, else wall time."""
+        if self.cpu_kernel is not None and hasattr(self.cpu_kernel, "last_job_stats"):
+            return self.cpu_kernel.last_job_stats()["done_us"] / 1e6
+        return wall
 
     def _start_cpu(self, layer: int, hidden: torch.Tensor, ids_host: torch.Tensor, weights: torch.Tensor,
                    cpu_set: set[int]):
