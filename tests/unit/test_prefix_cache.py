@@ -24,10 +24,24 @@ def test_refcounts_and_eviction_order():
     cache.insert([5, 6, 7, 8], b)
     alloc.release(a)
     alloc.release(b)                             # requests finished: only the tree holds them
-    assert alloc.num_free == 4 and cache.evictable() == 2
-    held = cache.match([1, 2, 3, 4, 9])          # a new request reuses a's pages
+    assert alloc.num_free == 4 and cache.evictable() == 4
+    held = cache.match([1, 2, 3, 4, 9])          # a new request reuses both of a's pages
     assert held == a and alloc.refcount(a[0]) == 2
-    assert cache.evict(10) == 3                  # b's two pages and a's leaf... a[1] is held
-    assert alloc.num_free == 6 and cache.num_pages == 1
+    assert cache.evictable() == 2
+    assert cache.evict(10) == 2                  # only b's pages can go while a's are held
+    assert alloc.num_free == 6 and cache.num_pages == 2
     alloc.release(held)
-    assert cache.evict(10) == 1 and alloc.num_free == 8
+    assert cache.evict(10) == 2 and alloc.num_free == 8 and cache.num_pages == 0
+
+
+def test_evictable_counts_whole_unreferenced_chains():
+    alloc = PageAllocator(8)
+    cache = PrefixCache(alloc, page_size=1)
+    pages = alloc.allocate(4)
+    cache.insert([1, 2, 3, 4], pages)
+    alloc.release(pages)
+    assert cache.evictable() == 4          # a chain of 4 nodes frees completely, leaf by leaf
+    held = cache.match([1, 2, 9])          # a request holds the first two pages
+    assert cache.evictable() == 2
+    assert cache.evict(4) == 2 and alloc.num_free == 6
+    alloc.release(held)

@@ -76,8 +76,19 @@ class PrefixCache:
             node = child
 
     def evictable(self) -> int:
-        """Pages that eviction could free right now (a lower bound: leaves only)."""
-        return sum(1 for n in self._leaves() if self.allocator.refcount(n.page) == 1)
+        """Pages that repeated leaf eviction could free right now: nodes whose whole subtree is
+        held by the tree alone."""
+        def free_subtree(node: _Node) -> tuple[int, bool]:
+            count, all_free = 0, True
+            for child in node.children.values():
+                c, f = free_subtree(child)
+                count, all_free = count + c, all_free and f
+            if node is self.root:
+                return count, all_free
+            if all_free and self.allocator.refcount(node.page) == 1:
+                return count + 1, True
+            return count, False
+        return free_subtree(self.root)[0]
 
     def evict(self, n: int) -> int:
         """Free up to n pages, least recently used leaves first; returns how many were freed."""
