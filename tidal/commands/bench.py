@@ -93,6 +93,9 @@ def run_decode(args) -> int:
     args.max_model_len = args.max_model_len or args.prompt_len + args.gen + 16
     args.max_running = 1
     args.max_batch_tokens = min(args.max_batch_tokens, args.prompt_len)
+    # Every row replays the same prompt: a prefix-cache hit would skip its prefill (and with it
+    # the prefill-time placement that the `cpu` policy depends on).
+    args.no_prefix_cache = True
     engine = engine_from_args(args)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, engine.model_config.vocab_size, (args.prompt_len,), generator=gen).tolist()
