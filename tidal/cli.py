@@ -65,9 +65,12 @@ def engine_from_args(args):
     if model is None:
         from tidal.weights.demo import demo_model_path
         model = str(demo_model_path())
-    return Engine(model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+    engine = Engine(model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                   max_model_len=args.max_model_len, max_running=args.max_running,
                   max_batch_tokens=args.max_batch_tokens, progress=sys.stderr.isatty(), **offload_kwargs(args))
+    if not args.quiet:
+        print(engine.summary(), file=sys.stderr)
+    return engine
 
 
 def offload_kwargs(args) -> dict:
@@ -131,6 +134,7 @@ def cmd_chat(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidal", description="Serve MoE LLMs larger than your GPU, exactly.")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--quiet", action="store_true", help="no start-up summary on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="complete one prompt")
@@ -147,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="API key of that server (default: env TIDAL_API_KEY)")
     p.set_defaults(func=cmd_chat, max_tokens=512)
 
-    from tidal.commands import bench, profile, trace
+    from tidal.commands import bench, doctor, profile, trace
     from tidal.server.serve import add_serve_parser
 
     add_serve_parser(sub)
@@ -155,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.configure(sub.add_parser("profile", help="measure host->GPU and CPU expert bandwidth"))
     bench.configure(sub.add_parser("bench", help="benchmarks (decode)"))
     trace.configure(sub.add_parser("trace", help="record routed experts per step and layer"))
+    doctor.configure(sub.add_parser("doctor", help="report this machine and plan a model on it"))
     return parser
 
 

@@ -113,6 +113,24 @@ class Engine:
             ids.update(self.tokenizer.eos_token_ids)
         return frozenset(i for i in ids if i is not None)
 
+    def summary(self) -> str:
+        """The start-up summary: model, memory plan, bandwidths, q*/m, cache slots."""
+        cfg, st = self.model_config, self.loaded.experts.stats()
+        lines = [f"model    {cfg.model_type}: {cfg.num_layers} layers, {cfg.num_experts} experts x "
+                 f"{len(cfg.moe_layers)} MoE layers, top-{cfg.top_k}; {str(self.config.dtype).removeprefix('torch.')} "
+                 f"on {self.device}",
+                 f"memory   {self.memory_plan.describe()}",
+                 f"context  max {self.config.max_model_len} tokens, {self.config.max_running} concurrent requests, "
+                 f"KV cache {self.config.kv_cache_tokens} tokens"]
+        if "b_p_gbps" in st:
+            lines.append(f"experts  policy {st['policy']}: B_P {st['b_p_gbps']:.1f} GB/s, B_H {st['b_h_gbps']:.1f} GB/s, "
+                         f"q*/m {st['b_p_gbps'] / max(st['b_h_gbps'], 1e-9):.2f}, {st['slots']} cache slots")
+        else:
+            where = "GPU" if self.device.type == "cuda" else "CPU (C++ kernel)" if getattr(
+                self.loaded.experts, "cpu_kernel", None) else "CPU (torch)"
+            lines.append(f"experts  all resident, computed on the {where}")
+        return "\n".join(lines)
+
     def reconfigure_experts(self, gpu_memory: Optional[float] = None, moe_policy: Optional[str] = None,
                             expert_cache_slots: Optional[int] = None, adapt: bool = True) -> None:
         """Re-plan the GPU budget and rebuild the expert runtime, keeping the host pool, dense weights
