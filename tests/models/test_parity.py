@@ -79,3 +79,15 @@ def test_rope_scaling_and_sliding_window(tmp_path):
         assert (got - reference_logits(ref, PROMPTS[1])).abs().max().item() <= 1e-4
         results = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=24, ignore_eos=True))
         assert results[0][0].output_ids == reference_greedy(ref, PROMPTS[0], 24)
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    """Several safetensors files tied together by model.safetensors.index.json."""
+    ref_model = make_reference("mixtral", seed=4)
+    ref_model.save_pretrained(tmp_path / "m", max_shard_size="60KB")
+    assert (tmp_path / "m" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "m").glob("*.safetensors"))) > 1
+    ref = load_reference(tmp_path / "m")
+    engine = Engine(str(tmp_path / "m"), device="cpu", dtype="float32", progress=False)
+    got = prefill_logits(engine, [PROMPTS[2]])[0]
+    assert (got - reference_logits(ref, PROMPTS[2])).abs().max().item() <= 1e-4
