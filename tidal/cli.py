@@ -68,7 +68,7 @@ def engine_from_args(args):
     engine = Engine(model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                   max_model_len=args.max_model_len, max_running=args.max_running,
                   max_batch_tokens=args.max_batch_tokens, progress=sys.stderr.isatty(), **offload_kwargs(args))
-    if not args.quiet:
+    if not getattr(args, "quiet", False):
         print(engine.summary(), file=sys.stderr)
     return engine
 

@@ -56,15 +56,37 @@ def demo_async_engine():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     engine = AsyncEngine(Engine(str(demo_model_path()), device="cpu", dtype="float32", progress=False,
-                                max_running=4))
+                                max_running=8))
     yield engine
     engine.shutdown()
     torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
+def cold_async_engine(demo_async_engine):
+    """The same model without the prefix cache, built the way `tidal serve --no-prefix-cache` builds it:
+    what every request computes from scratch is the reference for what cached requests must return."""
+    from tidal.cli import build_parser, engine_from_args
+    from tidal.engine.async_engine import AsyncEngine
+
+    args = build_parser().parse_args(["--quiet", "serve", "--device", "cpu", "--dtype", "float32",
+                                      "--max-running", "8", "--no-prefix-cache"])
+    engine = AsyncEngine(engine_from_args(args), name="tidal-cold-engine")
+    assert engine.engine.scheduler.prefix_cache is None
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
 def server(demo_async_engine):
     s = LiveServer(create_app(demo_async_engine, MODEL))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def cold_server(cold_async_engine):
+    s = LiveServer(create_app(cold_async_engine, MODEL))
     yield s
     s.close()
 
@@ -111,6 +133,32 @@ def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def kv_pages_leaked(engine) -> str:
+    """Why the engine's KV pages are not all accounted for, or "" when they are: no request is queued
+    or running, and every page in use is held by exactly one reference, the prefix cache's (one per
+    cached page). Read from another thread, so poll it (`wait_until(lambda: not kv_pages_leaked(e))`)."""
+    sched = engine.scheduler
+    if sched.waiting or sched.running:
+        return f"{len(sched.waiting)} waiting and {len(sched.running)} running requests"
+    alloc = sched.allocator
+    refs = [alloc.refcount(p) for p in range(alloc.num_pages)]
+    cached = sched.prefix_cache.num_pages if sched.prefix_cache is not None else 0
+    used = alloc.num_pages - alloc.num_free
+    if any(r > 1 for r in refs) or sum(refs) != cached or used != cached:
+        return (f"{used} pages in use, {sum(refs)} references, max refcount {max(refs)}, "
+                f"but the prefix cache holds only {cached} pages")
+    return ""
+
+
+def assert_kv_pages_released(async_engine) -> None:
+    """Wait until every request has left the engine and its pages are free or held only by the cache."""
+    deadline = time.monotonic() + 30
+    while (why := kv_pages_leaked(async_engine.engine)):
+        assert time.monotonic() < deadline, f"KV pages not released: {why}"
+        time.sleep(0.02)
+    assert async_engine.num_requests() == (0, 0)
 
 
 def pick_stop(text: str) -> str:

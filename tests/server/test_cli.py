@@ -19,15 +19,6 @@ from tidal.server.app import create_app
 from tidal.server.client_chat import chat_with_server, stream_reply
 from tidal.server.serve import add_serve_parser
 
-SERVE = """
-import argparse, sys
-from tidal.server.serve import add_serve_parser
-p = argparse.ArgumentParser()
-p.add_argument("--log-level", default="warning")
-add_serve_parser(p.add_subparsers(dest="command"))
-args = p.parse_args(sys.argv[1:])
-sys.exit(args.func(args))
-"""
 
 
 def parse(argv):
@@ -39,7 +30,8 @@ def parse(argv):
 def test_serve_flags():
     args = parse(["serve"])
     assert (args.host, args.port, args.tool_parser, args.reasoning_parser) == ("127.0.0.1", 8000, "auto", "auto")
-    assert args.api_key is None and args.model is None
+    assert args.api_key is None and args.model is None and args.no_prefix_cache is False
+    assert parse(["serve", "--no-prefix-cache"]).no_prefix_cache is True
     args = parse(["serve", "--port", "9000", "--tool-parser", "qwen3_coder", "--api-key", "k",
                   "--served-model-name", "m", "--reasoning-parser", "deepseek_r1"])
     assert (args.port, args.tool_parser, args.api_key, args.served_model_name) == (9000, "qwen3_coder", "k", "m")
@@ -56,7 +48,7 @@ def _free_port() -> int:
 def test_serve_process_with_api_key_from_environment():
     port = _free_port()
     env = {**os.environ, "TIDAL_API_KEY": "env-key", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, "serve", "--device", "cpu", "--dtype", "float32",
+    proc = subprocess.Popen([sys.executable, "-m", "tidal", "serve", "--device", "cpu", "--dtype", "float32",
                              "--port", str(port), "--served-model-name", "served"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL, wait_until
+from tests.server.conftest import API_KEY, MODEL, assert_kv_pages_released, wait_until
 from tests.server.fakes import FakeEngine, demo_tokenizer
 from tidal.server.app import create_app
 
@@ -24,7 +24,8 @@ def aborted(engine) -> int:
     ("/v1/messages", {"messages": [{"role": "user", "content": "go on"}], "stream": True}),
     ("/v1/responses", {"input": "go on", "stream": True, "max_output_tokens": 3000}),
 ])
-def test_client_disconnect_mid_stream_aborts(server, demo_async_engine, path, body):
+def test_client_disconnect_mid_stream_aborts(server, demo_async_engine, openai_client, path, body):
+    assert_kv_pages_released(demo_async_engine)
     before = aborted(demo_async_engine)
     with httpx.stream("POST", server.url + path, json={"model": MODEL, **LONG, **body}, timeout=60) as r:
         assert r.status_code == 200
@@ -35,7 +36,11 @@ def test_client_disconnect_mid_stream_aborts(server, demo_async_engine, path, bo
                 break   # leave mid-stream: closing the response drops the connection
     wait_until(lambda: aborted(demo_async_engine) > before and not demo_async_engine.engine.has_unfinished(),
                what="the request to be aborted")
-    assert demo_async_engine.num_requests() == (0, 0)
+    # Its pages are free again, or held only by the prefix cache (what it computed is reusable).
+    assert_kv_pages_released(demo_async_engine)
+    ok = openai_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2
 
 
 def test_client_disconnect_before_non_streaming_reply_aborts(server, demo_async_engine):
@@ -45,6 +50,7 @@ def test_client_disconnect_before_non_streaming_reply_aborts(server, demo_async_
                    json={"model": MODEL, "messages": [{"role": "user", "content": "go on"}], **LONG})
     wait_until(lambda: aborted(demo_async_engine) > before and not demo_async_engine.engine.has_unfinished(),
                what="the request to be aborted")
+    assert_kv_pages_released(demo_async_engine)
 
 
 def test_openai_client_closing_stream_aborts(server, demo_async_engine, openai_client):
@@ -58,6 +64,7 @@ def test_openai_client_closing_stream_aborts(server, demo_async_engine, openai_c
     stream.close()
     wait_until(lambda: aborted(demo_async_engine) > before and not demo_async_engine.engine.has_unfinished(),
                what="the request to be aborted")
+    assert_kv_pages_released(demo_async_engine)
 
 
 def test_auth(auth_server):
@@ -130,7 +137,9 @@ def test_keepalive_during_slow_first_token(live):
 
 
 def test_engine_error_mid_stream_is_reported_in_each_api_shape(live):
-    engine = FakeEngine(demo_tokenizer(), "hello world, this fails", fail_after=5)
+    script = "hello world, this fails after a few tokens"
+    engine = FakeEngine(demo_tokenizer(), script, fail_after=2)
+    assert len(engine.tokenizer.encode(script, add_special_tokens=False)) > 3   # it fails before the end
     srv = live(create_app(engine, MODEL))
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.APIError):
@@ -143,4 +152,4 @@ def test_engine_error_mid_stream_is_reported_in_each_api_shape(live):
             s.get_final_message()
     engine.fail_after = None
     ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
-    assert ok.choices[0].message.content == "hello world, this fails"
+    assert ok.choices[0].message.content == script

@@ -16,7 +16,8 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from tidal.server.chat import ChatOutput, ChatPlan, ToolChoice, plan_chat, sampling_params, start_generation
+from tidal.server.chat import (ChatOutput, ChatPlan, ToolChoice, plan_chat, require_model, sampling_params,
+                               start_generation)
 from tidal.server.errors import APIError, anthropic_body, from_exception
 from tidal.server.parsers import Reasoning, Text
 from tidal.server.protocol import AnthropicMessage, CountTokensRequest, MessagesRequest
@@ -163,6 +164,7 @@ def _usage(out: ChatOutput) -> dict:
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
+    require_model(request.app.state.tidal, body.model)
     plan = await run_in_threadpool(_plan, request.app.state.tidal, body, 1)
     return {"input_tokens": len(plan.prompt_ids)}
 
@@ -170,6 +172,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
     state: ServerState = request.app.state.tidal
+    require_model(state, body.model)
     plan = await run_in_threadpool(_plan, state, body, body.max_tokens, temperature=body.temperature,
                                    top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences)
     mid = f"msg_{uuid.uuid4().hex}"

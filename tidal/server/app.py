@@ -83,7 +83,14 @@ def create_app(async_engine: Any, served_model_name: str, api_key: Optional[str]
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(list(exc.errors()))
+        errors = list(exc.errors())
+        ctype = request.headers.get("content-type", "")
+        if "json" not in ctype and any(tuple(e.get("loc", ())) == ("body",) for e in errors):
+            # A body without a JSON content type is not parsed (a browser cannot send one cross-site
+            # without a CORS preflight, which keeps web pages away from a local server).
+            return reply(request, APIError(400, "send the request body as JSON with `Content-Type: application/json`"
+                                                f" (got {ctype or 'no content type'!r})"))
+        message, param = validation_message(errors)
         return reply(request, APIError(400, message, param))
 
     @app.exception_handler(StarletteHTTPException)

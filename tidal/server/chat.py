@@ -51,6 +51,15 @@ class ChatPlan:
         return OutputParser(reasoning, tools)
 
 
+def require_model(state: ServerState, name: Optional[str]) -> None:
+    """Reject a request for a model this server does not serve (404, naming both); no name means ours.
+
+    A client that names another model would otherwise get this one's answers without knowing it."""
+    if name is not None and name != state.model_name:
+        raise APIError(404, f"model {name!r} is not served here; this server serves {state.model_name!r}",
+                       "model", code="model_not_found")
+
+
 def require_tokenizer(state: ServerState):
     if state.tokenizer is None:
         raise APIError(400, "this model has no tokenizer.json, so it can only take token-id prompts "
@@ -249,6 +258,11 @@ class ChatOutput:
 def start_generation(state: ServerState, prompt_ids: list[int], params: SamplingParams, request_id: str):
     """Check the request now (so a bad one gets a 400 before any streaming starts), then return the
     engine's output iterator. Closing the iterator aborts the request."""
+    limit = int(getattr(state.engine, "max_model_len", 0) or 0)
+    if limit and len(prompt_ids) >= limit:
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens, but this server's context is {limit} "
+                            f"tokens (--max-model-len {limit}), so a prompt may have at most {limit - 1}",
+                       code="context_length_exceeded")
     check = getattr(state.engine, "check_request", None)
     if check is not None:
         check(prompt_ids, params)

@@ -17,7 +17,7 @@ _KINDS = {
     400: ("invalid_request_error", "invalid_request_error"),
     401: ("authentication_error", "authentication_error"),
     403: ("permission_error", "permission_error"),
-    404: ("not_found_error", "not_found_error"),
+    404: ("invalid_request_error", "not_found_error"),   # OpenAI: type invalid_request_error, a `code` says what
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_error"),
     500: ("server_error", "api_error"),
@@ -26,11 +26,12 @@ _KINDS = {
 
 
 class APIError(Exception):
-    """An error answered with `status`; `param` names the offending request field when known."""
+    """An error answered with `status`; `param` names the offending request field when known; `code` is
+    OpenAI's machine-readable code (`model_not_found`, ...), when there is one."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 def from_exception(e: BaseException) -> APIError:
@@ -52,7 +53,7 @@ def is_anthropic_path(path: str) -> bool:
 
 def openai_body(err: APIError) -> dict[str, Any]:
     kind = _KINDS.get(err.status, ("server_error" if err.status >= 500 else "invalid_request_error",))[0]
-    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": None}}
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
 
 
 def anthropic_body(err: APIError) -> dict[str, Any]:
@@ -76,6 +77,10 @@ def validation_message(errors: list[dict]) -> tuple[str, Optional[str]]:
         where = ".".join(loc)
         if e.get("type") == "json_invalid":
             parts.append(f"the request body is not valid JSON ({e.get('msg', '')})")
+            continue
+        if not where and tuple(e.get("loc", ())) == ("body",):   # the body as a whole
+            parts.append("the request body is empty: send a JSON object" if e.get("type") == "missing"
+                         else f"the request body must be a JSON object ({e.get('msg', 'invalid value')})")
             continue
         param = param or where or None
         parts.append(f"{where}: {e.get('msg', 'invalid value')}" if where else e.get("msg", "invalid request"))

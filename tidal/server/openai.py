@@ -15,9 +15,8 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from tidal.server.chat import (ChatOutput, ChatPlan, ToolChoice, default_max_tokens, plan_chat,
-                               require_tokenizer, sampling_params, start_generation, template_arguments,
-                               token_text)
+from tidal.server.chat import (ChatOutput, ChatPlan, ToolChoice, default_max_tokens, plan_chat, require_model,
+                               require_tokenizer, sampling_params, start_generation, template_arguments, token_text)
 from tidal.server.errors import APIError, from_exception, openai_body
 from tidal.server.parsers import Reasoning, Text, ToolCall
 from tidal.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -53,9 +52,7 @@ async def list_models(request: Request) -> dict:
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict:
     state = _state(request)
-    if model_id != state.model_name:
-        raise APIError(404, f"model {model_id!r} is not served here; this server serves {state.model_name!r}",
-                       "model")
+    require_model(state, model_id)
     return _model_card(state)
 
 
@@ -175,6 +172,7 @@ def _tool_call_dict(call: ToolCall, index: Optional[int] = None) -> dict:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = _state(request)
+    require_model(state, body.model)
     # Rendering and tokenizing a long agent prompt takes a while: keep it off the event loop.
     plan = await run_in_threadpool(_chat_plan, state, body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -270,6 +268,7 @@ def completion_logprobs(tokenizer: Any, items: list[TokenLogprob], offset: int) 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state = _state(request)
+    require_model(state, body.model)
     if body.suffix:
         raise APIError(400, "suffix: insertion (fill-in-the-middle) is not supported", "suffix")
     ids = await run_in_threadpool(_prompt_ids, state, body.prompt)

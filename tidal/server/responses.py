@@ -15,8 +15,8 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from tidal.server.chat import (ChatOutput, ChatPlan, ToolChoice, plan_chat, sampling_params, start_generation,
-                               template_arguments)
+from tidal.server.chat import (ChatOutput, ChatPlan, ToolChoice, plan_chat, require_model, sampling_params,
+                               start_generation, template_arguments)
 from tidal.server.errors import APIError, from_exception
 from tidal.server.parsers import Reasoning, ToolCall
 from tidal.server.protocol import ResponsesRequest
@@ -197,6 +197,7 @@ def _call_item(iid: str, call: ToolCall, status: str) -> dict:
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
     state: ServerState = request.app.state.tidal
+    require_model(state, body.model)
     plan = await run_in_threadpool(_plan, state, body)
     rid = _item_id("resp")
     created = int(time.time())
