@@ -6,6 +6,12 @@ tokens (eos ignored) and reports decode tok/s next to the bandwidth bound of DES
   missed bytes per token = miss rate * MoE layers * top_k * S
   bound time per token   = max(missed bytes / (B_P + B_R), (dense + hit bytes) / HBM bandwidth)
 with B_R the CPU kernel's rate while copies run (measured concurrently).
+
+--routing SPEC (default `model`) takes the expert ids from a synthetic or recorded source instead of
+the router's choice (the router still runs, at the same cost): random weights route almost uniformly,
+which hides what a cache is for. Specs are in tidal/experts/routing.py. The source restarts before
+every row, so all rows see the same expert ids and their miss rates compare policies, not luck.
+Benchmarks only: serving always uses the model's routing.
 """
 from __future__ import annotations
 
@@ -30,6 +36,10 @@ def configure(p) -> None:
     d.add_argument("--policies", default="qstar,transfer,cpu,static")
     d.add_argument("--prompt-len", type=int, default=2048)
     d.add_argument("--gen", type=int, default=256)
+    d.add_argument("--routing", default="model", metavar="SPEC",
+                   help="where expert ids come from: model (the router) | uniform | zipf:S,reuse:P (Zipf(S) "
+                        "popularity; P = chance a token repeats the previous token's experts) | trace:FILE "
+                        "(replay a `tidal trace` file's decode steps); the router always runs")
     d.add_argument("--json-out", default=None, help="also write the rows as JSON here")
     d.set_defaults(func=run_decode)
 
@@ -87,7 +97,11 @@ def _bound(engine, row: dict) -> float:
 
 def run_decode(args) -> int:
     from tidal.cli import engine_from_args
+    from tidal.experts.routing import parse_routing
+    from tidal.layers.moe import set_routing_override
 
+    source = parse_routing(args.routing)  # before loading: a bad spec fails fast
+    routing = source.spec if source is not None else "model"
     budgets = [float(b) for b in args.budgets.split(",")]
     policies = [p for p in args.policies.split(",") if p]
     args.max_model_len = args.max_model_len or args.prompt_len + args.gen + 16
@@ -97,15 +111,18 @@ def run_decode(args) -> int:
     # the prefill-time placement that the `cpu` policy depends on).
     args.no_prefix_cache = True
     engine = engine_from_args(args)
+    set_routing_override(engine.loaded.model, source)   # this engine is never served
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, engine.model_config.vocab_size, (args.prompt_len,), generator=gen).tolist()
-    _report_routing_diversity(engine, prompt[:512])
+    _report_routing_diversity(engine, prompt[:512], routing)
     rows = []
     for budget in budgets:
         for policy in (policies if budget else [None]):
             engine.reconfigure_experts(gpu_memory=budget or None, moe_policy=policy)
+            if source is not None:
+                source.reset()        # every row sees the same expert ids
             row = _one_row(engine, prompt, args.gen)
-            row.update(budget_gib=budget or "uncapped", policy=policy or "all-resident",
+            row.update(budget_gib=budget or "uncapped", policy=policy or "all-resident", routing=routing,
                        slots=engine.memory_plan.expert_slots, experts=engine.memory_plan.total_experts)
             row["bound_tok_s"] = _bound(engine, row)
             row["achieved_over_bound"] = row["decode_tok_s"] / row["bound_tok_s"]
@@ -118,15 +135,18 @@ def run_decode(args) -> int:
     return 0
 
 
-def _report_routing_diversity(engine, prompt: list[int]) -> None:
+def _report_routing_diversity(engine, prompt: list[int], routing: str = "model") -> None:
     """Dummy weights must route like a trained model: a 512-token batch should touch >= 95% of each
-    layer's experts with no expert above 3x its uniform share. Print what this model does."""
+    layer's experts with no expert above 3x its uniform share. Print what this model does (or what
+    the --routing source does, when one is installed)."""
     runtime = engine.loaded.experts
     seen: dict[int, torch.Tensor] = {}
     inner = runtime.forward
 
     def recording(layer, hidden, ids, weights):
-        seen[layer] = ids.reshape(-1).cpu()
+        # Accumulate: with --max-batch-tokens below the prompt length the batch comes in chunks.
+        flat = ids.reshape(-1).cpu()
+        seen[layer] = torch.cat([seen[layer], flat]) if layer in seen else flat
         return inner(layer, hidden, ids, weights)
 
     runtime.forward = recording
@@ -137,21 +157,22 @@ def _report_routing_diversity(engine, prompt: list[int]) -> None:
     E, K = engine.model_config.num_experts, engine.model_config.top_k
     touched = [int(torch.unique(v).numel()) for v in seen.values()]
     share = [float(torch.bincount(v, minlength=E).max()) / (len(prompt) * K / E) for v in seen.values()]
-    print(f"routing of a {len(prompt)}-token batch: experts touched per layer min {min(touched)}/{E} "
+    print(f"routing ({routing}) of a {len(prompt)}-token batch: experts touched per layer min {min(touched)}/{E} "
           f"({100 * min(touched) / E:.0f}%), mean {sum(touched) / len(touched):.1f}; busiest expert "
           f"max {max(share):.2f}x its uniform share", file=sys.stderr, flush=True)
 
 
 def _format_row(r: dict) -> str:
-    return (f"budget {r['budget_gib']} policy {r['policy']}: {r['decode_tok_s']:.1f} tok/s, "
+    return (f"routing {r['routing']} budget {r['budget_gib']} policy {r['policy']}: {r['decode_tok_s']:.1f} tok/s, "
             f"miss {100 * r['miss_rate']:.1f}%, q/m {r['q_over_m']:.2f}, TTFT {r['ttft_s']:.2f}s")
 
 
 def _table(rows: list[dict], engine, args) -> str:
     head = ("| budget GiB | policy | cache slots | decode tok/s | miss rate | q/m | B_P GB/s | B_H GB/s | "
             "bound tok/s | achieved/bound | TTFT s |")
+    routing = rows[0]["routing"] if rows else args.routing
     lines = [f"model {engine.model_config.model_type} ({args.model}), prompt {args.prompt_len}, gen {args.gen}, "
-             f"device {engine.device}", "", head, "|" + "---|" * 11]
+             f"device {engine.device}, routing {routing}", "", head, "|" + "---|" * 11]
     for r in rows:
         bp = f"{r['b_p'] / 1e9:.1f}" if "b_p" in r else "-"
         bh = f"{r['b_h'] / 1e9:.1f}" if "b_h" in r else "-"

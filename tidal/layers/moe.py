@@ -2,14 +2,23 @@
 
 The layer does not know where experts live (GPU cache, host pool, CPU executor): it hands
 (hidden, ids, weights) to `experts.forward(layer, ...)` and gets the combined output back.
+
+Benchmarks (only) may install a routing override (`set_routing_override` / `routing_override`): the
+router still runs at full cost, then its expert ids are replaced by a RoutingSource's ids (see
+tidal/experts/routing.py) to measure caches under skewed or recorded routing. Serving never installs
+one, so the model's routing is exact there (DESIGN.md invariant 2).
 """
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tidal.config import ModelConfig
+from tidal.experts.routing import RoutingSource
 
 
 class Router(nn.Module):
@@ -34,7 +43,44 @@ class MoELayer(nn.Module):
         self.layer = layer
         self.gate = Router(cfg, dtype, device)
         self.experts = experts       # an ExpertRuntime, shared by all MoE layers (not a submodule)
+        self.routing_override: Optional[RoutingSource] = None   # benchmarks only; see the module doc
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                     # [T, hidden]
         ids, weights = self.gate(x)
+        if self.routing_override is not None:
+            # The k-th strongest router weight goes to the source's k-th expert: the weights keep the
+            # model's distribution (already normalised as the family does), only the ids change.
+            ids = self.routing_override.ids(self.layer, ids.shape[0], ids.shape[1],
+                                            self.gate.weight.shape[0], ids.device)  # [T, K]
         return self.experts.forward(self.layer, x, ids, weights)
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return sorted((m for m in model.modules() if isinstance(m, MoELayer)), key=lambda m: m.layer)
+
+
+def set_routing_override(model: nn.Module, source: Optional[RoutingSource]) -> None:
+    """Install `source` on every MoE layer of `model` (None removes it). Benchmarks only.
+
+    The source is bound to the model's shapes first (raises ConfigError when it cannot serve them)
+    and reset, so the first forward after installing starts every layer's stream."""
+    layers = moe_layers(model)
+    if source is not None:
+        if not layers:
+            from tidal.errors import ConfigError
+            raise ConfigError("--routing needs a model with MoE layers")
+        gate = layers[0].gate
+        source.bind([m.layer for m in layers], gate.weight.shape[0], gate.top_k)
+        source.reset()
+    for m in layers:
+        m.routing_override = source
+
+
+@contextlib.contextmanager
+def routing_override(model: nn.Module, source: Optional[RoutingSource]) -> Iterator[Optional[RoutingSource]]:
+    """`with routing_override(model, source):` installs the source for the block, then removes it."""
+    set_routing_override(model, source)
+    try:
+        yield source
+    finally:
+        set_routing_override(model, None)
