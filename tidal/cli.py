@@ -111,24 +111,18 @@ def cmd_chat(args) -> int:
     engine = engine_from_args(args)
     if engine.tokenizer is None:
         raise TidalError("this model has no tokenizer.json, so it cannot chat")
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("tidal chat: type a message, /reset to start over, Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if line.strip() == "/reset":
-            messages = messages[:1] if args.system else []
-            continue
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
+
+    def reply(messages: list[dict]):
         ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        reply = stream(engine, ids, params)
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": reply})
+        try:
+            return stream(engine, ids, params)
+        except KeyboardInterrupt:
+            engine.abort_all()
+            return None
+
+    from tidal.repl import chat_repl
+
+    return chat_repl(reply, args.system, "tidal chat")
 
 
 def build_parser() -> argparse.ArgumentParser:

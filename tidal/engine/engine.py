@@ -17,6 +17,7 @@ import torch
 from tidal.config import EngineConfig, parse_dtype
 from tidal.errors import ConfigError, RequestError
 from tidal.kvcache.page_pool import KVPool, PageAllocator
+from tidal.kvcache.state_pool import StatePool, StateSlotAllocator
 from tidal.experts.policy import POLICIES
 from tidal.memory.budget import cap_allocator
 from tidal.memory.budget import plan as plan_memory
@@ -59,13 +60,14 @@ class Engine:
                  offload_device: Optional[str] = None, adapt: bool = True, cpu_threads: Optional[int] = None,
                  prefix_cache: bool = True):
         dev = resolve_device(device)
-        if load_format not in ("auto", "safetensors", "dummy"):
-            raise ConfigError(f"unknown load format {load_format!r}: use auto, safetensors or dummy")
+        if load_format not in ("auto", "safetensors", "ftw", "gguf", "dummy"):
+            raise ConfigError(f"unknown load format {load_format!r}: use auto, safetensors, ftw, gguf or dummy")
         for name, value in (("max_running", max_running), ("page_size", page_size),
                             ("max_batch_tokens", max_batch_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        path = Path(model) if load_format == "dummy" else resolve_model_path(model)
+        is_file = load_format in ("dummy", "gguf") or str(model).endswith(".gguf")  # files, not Hub ids
+        path = Path(model).expanduser() if is_file else resolve_model_path(model)
         self.loaded = load_model(path, dev, parse_dtype(dtype), load_format, seed, progress)
         cfg = self.loaded.config
         self.model_config = cfg
@@ -95,9 +97,11 @@ class Engine:
         self._kv_bytes, self._offload_device, self._cpu_threads = kv_bytes, offload_device, cpu_threads
         build_experts(self.loaded, dev, self.memory_plan, moe_policy, offload_device, adapt, cpu_threads)
         log.info("memory plan: %s", self.memory_plan.describe())
+        self.state_pool = StatePool.for_model(cfg, max_running, dev)  # None unless linear-attention layers
         self.scheduler = Scheduler(PageAllocator(num_pages), page_size, max_running, max_batch_tokens,
-                                   prefix_cache=prefix_cache)
-        self.runner = ModelRunner(self.loaded.model, self.kv_pool, dev)
+                                   prefix_cache=prefix_cache,
+                                   state_slots=StateSlotAllocator(max_running) if self.state_pool else None)
+        self.runner = ModelRunner(self.loaded.model, self.kv_pool, dev, self.state_pool)
         self.device = dev
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -182,6 +186,10 @@ class Engine:
         req = self.scheduler.abort(request_id)
         if req is not None:
             self._forget(req)
+
+    def abort_all(self) -> None:
+        for rid in list(self._requests):
+            self.abort(rid)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

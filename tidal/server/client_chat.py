@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional, TextIO
 import httpx
 
 from tidal.errors import TidalError
+from tidal.repl import chat_repl
 
 DIM, RESET = "\033[2m", "\033[0m"
 
@@ -118,28 +119,14 @@ def chat_with_server(args: Any) -> int:
     system = getattr(args, "system", None)
     with httpx.Client(headers=_headers(api_key), timeout=httpx.Timeout(30.0, read=None)) as client:
         model = server_model(client, base)
-        messages: list[dict] = [{"role": "system", "content": system}] if system else []
-        print(f"tidal chat with {model} at {base}: type a message, /reset to start over, Ctrl-D to quit",
-              file=sys.stderr)
-        while True:
+
+        def reply(messages: list[dict]):
             try:
-                line = input("> ")
-            except (EOFError, KeyboardInterrupt):
-                print(file=sys.stderr)
-                return 0
-            if line.strip() == "/reset":
-                messages = messages[:1] if system else []
-                continue
-            if not line.strip():
-                continue
-            messages.append({"role": "user", "content": line})
-            try:
-                reply, _ = stream_reply(client, base, request_body(args, model, messages), dim=dim)
+                text, _ = stream_reply(client, base, request_body(args, model, messages), dim=dim)
             except KeyboardInterrupt:
-                print("\n[stopped]", file=sys.stderr)
-                messages.pop()
-                continue
+                return None
             except httpx.HTTPError as e:
                 raise TidalError(f"lost the connection to {base}: {e}") from None
-            sys.stdout.write("\n")
-            messages.append({"role": "assistant", "content": reply})
+            return text
+
+        return chat_repl(reply, system, f"tidal chat with {model} at {base}")
