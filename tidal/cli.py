@@ -14,11 +14,11 @@ log = logging.getLogger("tidal")
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
-                   help="Hugging Face model directory or Hub id (default: the built-in demo model)")
+                   help="Hugging Face directory, FTW directory, .gguf file or Hub id (default: the built-in demo model)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and activation dtype (auto: the checkpoint's)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "ftw", "gguf", "dummy"],
                    help="dummy: random weights from a config.json (benchmarks)")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     g.add_argument("--max-running", type=int, default=4, help="concurrent requests in a decode batch")
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="API key of that server (default: env TIDAL_API_KEY)")
     p.set_defaults(func=cmd_chat, max_tokens=512)
 
-    from tidal.commands import bench, doctor, profile, trace
+    from tidal.commands import bench, convert, doctor, profile, trace
     from tidal.server.serve import add_serve_parser
 
     add_serve_parser(sub)
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.configure(sub.add_parser("bench", help="benchmarks (decode)"))
     trace.configure(sub.add_parser("trace", help="record routed experts per step and layer"))
     doctor.configure(sub.add_parser("doctor", help="report this machine and plan a model on it"))
+    convert.configure(sub.add_parser("convert", help="convert a model directory or .gguf file to FTW, or --verify one"))
     return parser
 
 

@@ -76,6 +76,15 @@ class ModelConfig:
     dtype: torch.dtype = torch.bfloat16   # the checkpoint's dtype
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
+    # Hybrid families (Qwen3-Next): per-layer token mixer, "full_attention" or "linear_attention"
+    # (gated DeltaNet). Empty means every layer is full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    shared_expert_intermediate_size: int = 0   # 0: no shared expert next to the routed ones
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # the config.json as read
 
     @property
@@ -86,6 +95,18 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def is_linear_attention(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_linear_attention(i))
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        """Layers whose per-sequence state is a recurrent state (not reconstructible from KV pages)."""
+        return bool(self.linear_attention_layers)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -111,6 +132,13 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type is None:
             raise CheckpointError(f"{source}: missing field 'model_type'")
+        if isinstance(raw.get("text_config"), dict):
+            # A vision-language checkpoint (Qwen3.5-MoE): serve its text model. Fields of the text
+            # config win, except the composite's model_type and tie_word_embeddings.
+            outer = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+            raw = {**outer, **raw["text_config"], "model_type": model_type}
+            if "tie_word_embeddings" in outer:
+                raw["tie_word_embeddings"] = outer["tie_word_embeddings"]
         from tidal.models.registry import supported_model_types
 
         if model_type not in supported_model_types():
@@ -130,12 +158,13 @@ class ModelConfig:
         moe_layers = tuple(
             i for i in range(layers) if i not in mlp_only and num_experts > 0 and (i + 1) % sparse_step == 0
         )
-        # Mixtral has no norm_topk_prob field but always renormalises the top-k weights.
-        norm_topk = bool(raw.get("norm_topk_prob", model_type == "mixtral"))
+        # Mixtral and Qwen3.5-MoE have no norm_topk_prob field but always renormalise the top-k weights.
+        norm_topk = bool(raw.get("norm_topk_prob", model_type in ("mixtral", "qwen3_5_moe", "qwen3_5_moe_text")))
         dtype = parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16", f"{source} dtype")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        layer_types = _layer_types(raw, layers, source)
         return cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
@@ -161,8 +190,29 @@ class ModelConfig:
             dtype=dtype,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            layer_types=layer_types,
+            linear_num_key_heads=int(raw.get("linear_num_key_heads") or 0),
+            linear_num_value_heads=int(raw.get("linear_num_value_heads") or 0),
+            linear_key_head_dim=int(raw.get("linear_key_head_dim") or 0),
+            linear_value_head_dim=int(raw.get("linear_value_head_dim") or 0),
+            linear_conv_kernel_dim=int(raw.get("linear_conv_kernel_dim") or 4),
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
             raw=raw,
         )
+
+
+def _layer_types(raw: dict, layers: int, source: str) -> tuple[str, ...]:
+    """`layer_types`, or (older hybrid configs) every `full_attention_interval`-th layer full attention."""
+    types = raw.get("layer_types")
+    if types is None and raw.get("full_attention_interval"):
+        interval = int(raw["full_attention_interval"])
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if not types or "linear_attention" not in types:
+        return ()  # other families list full / sliding attention here; those need no per-layer switch
+    if len(types) != layers or not set(types) <= {"full_attention", "linear_attention"}:
+        raise CheckpointError(f"{source}: layer_types must list 'full_attention' / 'linear_attention' for each "
+                              f"of the {layers} layers")
+    return tuple(types)
 
 
 def _rope_from_hf(raw: dict, source: str) -> RopeConfig:
@@ -172,6 +222,8 @@ def _rope_from_hf(raw: dict, source: str) -> RopeConfig:
     if scaling:
         params = {**scaling, **params}
     theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
+    if raw.get("partial_rotary_factor") is not None and "partial_rotary_factor" not in params:
+        params["partial_rotary_factor"] = raw["partial_rotary_factor"]  # Hub style keeps it top-level
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type not in ("default", "linear", "dynamic", "yarn", "llama3"):
@@ -192,5 +244,5 @@ class EngineConfig:
     page_size: int = 16                       # tokens per KV page
     kv_cache_tokens: int = 0                  # 0 -> max_model_len * max_running
     max_batch_tokens: int = 8192              # token budget of one forward (chunked prefill)
-    load_format: str = "auto"                 # auto | safetensors | dummy
+    load_format: str = "auto"                 # auto | safetensors | ftw | gguf | dummy
     seed: int = 0                             # for dummy weights

@@ -43,33 +43,56 @@ def resolve_dtype(requested: Optional[torch.dtype], cfg: ModelConfig, device: to
 
 def load_model(model_dir: Path, device: torch.device, dtype: Optional[torch.dtype],
                load_format: str = "auto", seed: int = 0, progress: bool = True) -> LoadedModel:
-    """Load a Hugging Face directory (or, with load_format='dummy', a config.json path or directory)."""
-    if load_format == "dummy":
-        config_path = model_dir if model_dir.is_file() else model_dir / "config.json"
+    """Load a Hugging Face directory, an FTW directory (`tidal convert`), a .gguf file, or (with
+    load_format='dummy') a config.json path or directory. 'auto' picks FTW when the directory has an
+    ftw.json, GGUF for a .gguf file, else safetensors."""
+    if load_format == "auto":
+        from tidal.weights.ftw import is_ftw_dir
+        load_format = ("gguf" if model_dir.suffix == ".gguf" and not model_dir.is_dir()
+                       else "ftw" if is_ftw_dir(model_dir) else "safetensors")
+    gguf = None
+    if load_format == "gguf":
+        from tidal.weights.gguf import GGUFCheckpoint
+        gguf = GGUFCheckpoint(model_dir)
+        cfg, gen_cfg = gguf.model_config(), dict(gguf.generation_config)
     else:
-        config_path = model_dir / "config.json"
-    cfg = ModelConfig.from_file(config_path)
+        if load_format == "dummy":
+            config_path = model_dir if model_dir.is_file() else model_dir / "config.json"
+        else:
+            config_path = model_dir / "config.json"
+        cfg = ModelConfig.from_file(config_path)
+        gen_cfg = (read_json(config_path.parent / "generation_config.json", required=False) or {})
     dtype = resolve_dtype(dtype, cfg, device)
-    gen_cfg = (read_json(config_path.parent / "generation_config.json", required=False) or {})
     model = model_class(cfg.model_type)(cfg, dtype, device)
     pool = HostExpertPool(cfg, dtype, "cpu")
     if load_format == "dummy":
         from tidal.weights.dummy import dummy_tensors
         tensors = dummy_tensors(model, pool, seed)
         total = None
-    elif load_format in ("auto", "safetensors"):
+    elif load_format == "safetensors":
         infos = list_tensors(model_dir)
         tensors, total = iter_tensors(infos), len(infos)
+    elif load_format == "ftw":
+        from tidal.weights.ftw import FtwCheckpoint
+        ftw = FtwCheckpoint(model_dir)
+        tensors, total = ftw.iter_tensors(pool), ftw.num_tensors
+    elif gguf is not None:
+        tensors, total = gguf.iter_tensors(dtype), gguf.num_tensors
     else:
-        raise CheckpointError(f"unknown load format {load_format!r}: use auto, safetensors or dummy")
+        raise CheckpointError(f"unknown load format {load_format!r}: use auto, safetensors, ftw, gguf or dummy")
     bar = tqdm(tensors, total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
-    model.load_weights(bar, pool)
+    try:
+        model.load_weights(bar, pool)
+    finally:
+        if gguf is not None:
+            gguf.close()
     if device.type == "cuda":
         pool.pin()  # filled first, pinned after: pinning a growing buffer would double the work
-    log.info("loaded %s: %d layers, %d experts x %d MoE layers (%.2f GB of experts), dtype %s on %s",
-             cfg.model_type, cfg.num_layers, cfg.num_experts, len(cfg.moe_layers), pool.total_bytes / 1e9,
-             str(dtype).removeprefix("torch."), device)
-    return LoadedModel(cfg, model, pool, None, None if load_format == "dummy" else model_dir, gen_cfg)
+    log.info("loaded %s (%s): %d layers, %d experts x %d MoE layers (%.2f GB of experts), dtype %s on %s",
+             cfg.model_type, load_format, cfg.num_layers, cfg.num_experts, len(cfg.moe_layers),
+             pool.total_bytes / 1e9, str(dtype).removeprefix("torch."), device)
+    model_dir_out = None if load_format == "dummy" else gguf.tokenizer_dir() if gguf is not None else model_dir
+    return LoadedModel(cfg, model, pool, None, model_dir_out, gen_cfg)
 
 
 def dense_bytes(model: torch.nn.Module) -> int:
