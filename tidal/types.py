@@ -96,6 +96,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     pages: list[int] = field(default_factory=list)   # KV pages, in position order
     num_computed: int = 0            # tokens (prompt + output) whose K/V are in the cache
+    state_slot: Optional[int] = None # recurrent-state slot while running (models with linear attention)
     num_cached_prefix: int = 0       # prompt tokens reused from the prefix cache
     finish_reason: Optional[str] = None   # "stop" | "length" | "abort"
     stop_reason: Optional[object] = None  # the stop string or token id that ended it

@@ -21,6 +21,12 @@ class SeqSlice:
     q_len: int                # new tokens this step
     ctx_len: int              # tokens in the KV cache after this step (prefix + new)
     kv_slots: torch.Tensor    # [ctx_len] int64 rows of the flattened KV cache holding its tokens
+    state_slot: Optional[int] = None   # its slot in the recurrent-state pool (hybrid models only)
+
+    @property
+    def start(self) -> int:
+        """Position of the first new token; 0 means the sequence starts here (fresh state)."""
+        return self.ctx_len - self.q_len
 
 
 @dataclass
@@ -29,6 +35,7 @@ class ForwardContext:
     slot_mapping: torch.Tensor        # [T] int64: cache row each new token's K/V is written to
     kv_cache: "object"                # tidal.kvcache.KVPool: .k[layer], .v[layer] as [rows, Hkv, D]
     is_decode: bool = False           # every sequence has q_len == 1
+    state_cache: "object" = None      # tidal.kvcache.StatePool for linear-attention layers, or None
     extras: dict = field(default_factory=dict)  # statistics and hooks for lower layers
 
 

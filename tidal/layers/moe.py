@@ -19,6 +19,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.experts.routing import RoutingSource
+from tidal.layers.mlp import DenseMLP
 
 
 class Router(nn.Module):
@@ -44,6 +45,13 @@ class MoELayer(nn.Module):
         self.gate = Router(cfg, dtype, device)
         self.experts = experts       # an ExpertRuntime, shared by all MoE layers (not a submodule)
         self.routing_override: Optional[RoutingSource] = None   # benchmarks only; see the module doc
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            # Qwen3-Next: a dense expert every token uses, scaled by a per-token sigmoid gate. It is
+            # a dense weight (lives with the model, not in the host pool).
+            self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, device)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype, device=device)
+            self.shared_expert_gate.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                     # [T, hidden]
         ids, weights = self.gate(x)
@@ -52,7 +60,10 @@ class MoELayer(nn.Module):
             # model's distribution (already normalised as the family does), only the ids change.
             ids = self.routing_override.ids(self.layer, ids.shape[0], ids.shape[1],
                                             self.gate.weight.shape[0], ids.device)  # [T, K]
-        return self.experts.forward(self.layer, x, ids, weights)
+        out = self.experts.forward(self.layer, x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)   # [T, hidden]
+        return out
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:

@@ -48,6 +48,9 @@ class MoEDecoder(nn.Module):
     qk_norm: ClassVar[Optional[str]] = None          # None | "head" | "full"
     # (pattern, replacement) applied in order to checkpoint names before matching.
     renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+    layer_cls: ClassVar[type] = DecoderLayer        # (cfg, layer, qk_norm, experts, dtype, device)
+    norm_cls: ClassVar[type] = RMSNorm              # the final norm
+    skipped: ClassVar[tuple[str, ...]] = ()         # checkpoint-name patterns deliberately not loaded
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -58,8 +61,8 @@ class MoEDecoder(nn.Module):
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
             self.layers = nn.ModuleList(
-                DecoderLayer(cfg, i, self.qk_norm, None, dtype, None) for i in range(cfg.num_layers))
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+                self.layer_cls(cfg, i, self.qk_norm, None, dtype, None) for i in range(cfg.num_layers))
+            self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
             self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
                 cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         self.to_empty(device=self.device)
@@ -108,6 +111,8 @@ class MoEDecoder(nn.Module):
                 dst.copy_(tensor)
                 loaded.add(canon)
             elif canon == "lm_head.weight" and self.lm_head is None or _IGNORED.fullmatch(canon):
+                continue
+            elif any(re.fullmatch(p, canon) for p in self.skipped):
                 continue  # tied to the embedding: the checkpoint's copy is redundant
             else:
                 raise CheckpointError(f"checkpoint tensor {name!r} is not used by the {self.cfg.model_type} "

@@ -7,6 +7,9 @@ _MODELS = {
     "qwen3_moe": ("tidal.models.qwen3_moe", "Qwen3MoeModel"),
     "mixtral": ("tidal.models.mixtral", "MixtralModel"),
     "olmoe": ("tidal.models.olmoe", "OlmoeModel"),
+    "qwen3_next": ("tidal.models.qwen3_next", "Qwen3NextModel"),
+    "qwen3_5_moe": ("tidal.models.qwen3_5_moe", "Qwen35MoeModel"),
+    "qwen3_5_moe_text": ("tidal.models.qwen3_5_moe", "Qwen35MoeModel"),
 }
 
 

@@ -1,17 +1,21 @@
 """Runs one scheduled batch through the model and samples the next tokens."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from tidal.kvcache.page_pool import KVPool
+from tidal.kvcache.state_pool import StatePool
 from tidal.layers.context import ForwardContext, SeqSlice, forward_context
 from tidal.runner.sampler import Sampler
 from tidal.types import ScheduledBatch, StepOutput, TokenLogprob
 
 
 class ModelRunner:
-    def __init__(self, model, kv_pool: KVPool, device: torch.device):
+    def __init__(self, model, kv_pool: KVPool, device: torch.device, state_pool: Optional[StatePool] = None):
         self.model, self.kv_pool, self.device = model, kv_pool, device
+        self.state_pool = state_pool    # recurrent state of linear-attention layers, or None
         self.page_size = kv_pool.page_size
         self.sampler = Sampler()
 
@@ -34,13 +38,15 @@ class ModelRunner:
             slots = self._kv_slots(req.pages, end)                      # [ctx]
             slot_mapping.append(slots[s.start:end])
             q_start = len(input_ids) - s.num_tokens
-            seqs.append(SeqSlice(q_start, s.num_tokens, end, slots.to(self.device, non_blocking=True)))
+            seqs.append(SeqSlice(q_start, s.num_tokens, end, slots.to(self.device, non_blocking=True),
+                                 req.state_slot))
             if s.sample:
                 sample_rows.append(q_start + s.num_tokens - 1)
         ctx = ForwardContext(
             seqs=seqs,
             slot_mapping=torch.cat(slot_mapping).to(self.device),
             kv_cache=self.kv_pool,
+            state_cache=self.state_pool,
             is_decode=all(s.num_tokens == 1 for s in batch.seqs),
         )
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)

@@ -4,6 +4,10 @@ Each step: every running request that is decoding gets one token; prefills fill 
 token budget in chunks; waiting requests are admitted while there are seats and pages. When pages
 run out, the most recently admitted request is preempted (its pages freed, its tokens recomputed
 later) rather than failing anything. The scheduler never touches tensors.
+
+Models with recurrent (linear-attention) layers also need one state slot per running request: it is
+taken at admission and given back when the request finishes or is preempted. Their prefix cache is
+off: a recurrent state cannot be rebuilt from KV pages (recurrent-state anchors will lift this).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from collections import deque
 from typing import Optional
 
 from tidal.kvcache.page_pool import PageAllocator
+from tidal.kvcache.state_pool import StateSlotAllocator
 from tidal.scheduler.prefix_cache import PrefixCache
 from tidal.types import Request, RequestStatus, ScheduledBatch, ScheduledSeq
 
@@ -20,8 +25,13 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running: int, max_batch_tokens: int,
-                 prefill_chunk: Optional[int] = None, prefix_cache: bool = True):
+                 prefill_chunk: Optional[int] = None, prefix_cache: bool = True,
+                 state_slots: Optional[StateSlotAllocator] = None):
         self.allocator, self.page_size = allocator, page_size
+        self.state_slots = state_slots
+        if state_slots is not None and prefix_cache:
+            log.info("prefix cache disabled: the model has recurrent layers")
+            prefix_cache = False
         self.prefix_cache = PrefixCache(allocator, page_size) if prefix_cache else None
         self.max_running, self.max_batch_tokens = max_running, max_batch_tokens
         self.prefill_chunk = prefill_chunk or max_batch_tokens
@@ -87,6 +97,10 @@ class Scheduler:
                                          req.num_tokens))
             if not self._can_get(needed - len(req.pages)):
                 break  # wait for pages to free up
+            if self.state_slots is not None:
+                if self.state_slots.num_free == 0:
+                    break
+                req.state_slot = self.state_slots.allocate()
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -140,6 +154,9 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _free(self, req: Request) -> None:
+        if req.state_slot is not None and self.state_slots is not None:
+            self.state_slots.release(req.state_slot)
+            req.state_slot = None
         if req.pages:
             self.allocator.release(req.pages)
             req.pages = []
