@@ -29,11 +29,11 @@ import timeit
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tidal.kernels import cpu_experts as ce  # noqa: E402
+from tidal.kernels.torch_experts import grouped_swiglu  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,20 +84,7 @@ def make_routes(n_calls: int, T: int, k: int, E: int, seed: int = 0):
 
 def torch_bf16_moe(x, token_idx, expert_ids, weights, gate_up, down, out) -> None:
     """The straightforward torch MoE loop on bf16 weights (what a torch CPU offload would run)."""
-    I = gate_up.shape[1] // 2
-    xb = x.to(torch.bfloat16)
-    tok = token_idx.long()
-    order = torch.argsort(expert_ids, stable=True)
-    experts, counts = torch.unique_consecutive(expert_ids[order], return_counts=True)
-    start = 0
-    for e, n in zip(experts.tolist(), counts.tolist()):
-        sel = order[start : start + n]
-        start += n
-        t = tok[sel]
-        gu = F.linear(xb.index_select(0, t), gate_up[e])
-        h = F.silu(gu[:, :I]) * gu[:, I:]
-        y = F.linear(h, down[e])
-        out.index_add_(0, t, y.float() * weights[sel].unsqueeze(1))
+    grouped_swiglu(x, token_idx, expert_ids, weights, gate_up, down, out, compute_dtype=torch.bfloat16)
 
 
 def time_calls(fn, routes, x, gate_up, down, warmup: int, max_seconds: float) -> tuple[float, float]:

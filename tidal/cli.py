@@ -4,9 +4,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from tidal.errors import TidalError
+
+if TYPE_CHECKING:
+    from tidal.types import SamplingParams
 
 log = logging.getLogger("tidal")
 

@@ -27,7 +27,7 @@ from tidal.runner.sampler import make_generator
 from tidal.scheduler.scheduler import Scheduler
 from tidal.tokenizer.detokenizer import IncrementalDetokenizer
 from tidal.tokenizer.stop import StopStringMatcher
-from tidal.types import Request, RequestOutput, RequestStatus, SamplingParams
+from tidal.types import Request, RequestOutput, SamplingParams
 from tidal.weights.hf import resolve_model_path
 
 log = logging.getLogger(__name__)

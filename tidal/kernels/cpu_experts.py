@@ -36,7 +36,8 @@ import weakref
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from tidal.kernels.torch_experts import grouped_swiglu
 
 __all__ = [
     "CpuExpertJob",
@@ -270,18 +271,7 @@ def torch_reference_experts(x, token_idx, expert_ids, weights, gate_up, down, ou
         return
     _check_range("token_idx", token_idx, T)
     _check_range("expert_ids", expert_ids, E)
-    tok = token_idx.long()
-    order = torch.argsort(expert_ids, stable=True)
-    experts, counts = torch.unique_consecutive(expert_ids[order], return_counts=True)
-    start = 0
-    for e, n in zip(experts.tolist(), counts.tolist()):
-        sel = order[start : start + n]
-        start += n
-        t = tok[sel]
-        gu = F.linear(x.index_select(0, t), gate_up[e].float())  # [n, 2I]
-        h = F.silu(gu[:, :I]) * gu[:, I:]  # [n, I]
-        y = F.linear(h, down[e].float()) * weights[sel].unsqueeze(1)  # [n, H]
-        out.index_add_(0, t, y)
+    grouped_swiglu(x, token_idx, expert_ids, weights, gate_up, down, out, compute_dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
