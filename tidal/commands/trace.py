@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from tidal.errors import ConfigError
+from tidal.jsonl import iter_jsonl, read_text
 
 
 def configure(p) -> None:
@@ -20,22 +21,9 @@ def configure(p) -> None:
 
 
 def read_prompts(path: Path) -> list[str]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read prompt file ({e.strerror})") from None
     if path.suffix != ".jsonl":
-        return [text]
-    prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        prompts.append(item["prompt"] if isinstance(item, dict) else str(item))
-    return prompts
+        return [read_text(path, "prompt file")]
+    return [item["prompt"] if isinstance(item, dict) else str(item) for _, item in iter_jsonl(path, "prompt file")]
 
 
 def run(args) -> int:

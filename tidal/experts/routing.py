@@ -22,7 +22,6 @@ restarts every stream, so runs that reset before each row see identical expert i
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from abc import ABC, abstractmethod
@@ -32,6 +31,7 @@ from typing import Optional, Sequence
 import torch
 
 from tidal.errors import ConfigError
+from tidal.jsonl import iter_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -191,19 +191,9 @@ class TraceRouting(RoutingSource):
 
 
 def _read_trace(path: Path) -> tuple[dict[int, torch.Tensor], int, int, int]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"routing trace:{path}: cannot read the trace file ({e.strerror})") from None
     per_layer: dict[int, list] = {}
     top_k, steps = None, 0
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"routing trace:{path}:{n}: not valid JSON ({e.msg})") from None
+    for n, rec in iter_jsonl(path, "the trace file", prefix="routing trace:"):
         if not isinstance(rec, dict) or rec.get("phase") != "decode":
             continue                        # request headers and prefill forwards
         layers = rec.get("layers")
